@@ -1,0 +1,260 @@
+"""The per-node agent (`tm-slurm agent`): one per node, each its own srun step (or, locally, its own
+process group). It connects to the controller over MPI, starts this node's workers as its
+children, relays messages both ways, watches its workers (exit, silence) and the controller
+(silence), and kills its workers when told to. It decides nothing about the job; it never
+imports torch, so it starts in a fraction of a second.
+"""
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import jobdir as paths
+from .control import mpi as mpictl
+from .control.wire import Wire
+from .messages import (AgentBye, Assign, Checkpoint, Fence, Heartbeat, Hello, Launch, Ping, Report,
+                       Shutdown, Stop, ToWorkers, WorkerExited, WorkerInfo, WorkerReport,
+                       WorkerSuspect)
+
+EXIT_CONTROLLER_LOST = 75      # EX_TEMPFAIL: the job should be requeued
+
+
+@dataclass
+class WorkerProc:
+    local: int
+    proc: subprocess.Popen
+    wire: Wire
+    rank: int | None = None
+    step: int | None = None
+    committed: int | None = None
+    started: float = field(default_factory=time.monotonic)
+    last_heard: float | None = None     # None until its first message (imports can take seconds)
+    suspect: bool = False
+    progress: list = field(default_factory=list)
+    done: bool = False          # exited and reported
+
+
+class Agent:
+    def __init__(self, job_dir: Path, node: str, hb_interval: float, admit_timeout: float,
+                 controller_timeout: float):
+        self.job_dir, self.node = Path(job_dir), node
+        self.hb_interval = hb_interval
+        self.admit_timeout = admit_timeout
+        self.controller_timeout = controller_timeout
+        self.worker_timeout = controller_timeout
+        self.shutdown_s = 10.0
+        self.workers: dict[int, WorkerProc] = {}
+        self.sel = selectors.DefaultSelector()
+        self.launch: Launch | None = None
+        self.seq = 0
+        self.last_ctl = time.monotonic()
+        self.stopping = False
+        self.controller_lost_at: float | None = None
+
+    # ------------------------------------------------------------ connect
+    def connect(self) -> mpictl.Channel:
+        port_file = paths.port_file(self.job_dir)
+        deadline = time.monotonic() + self.admit_timeout
+        while not port_file.exists():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"agent {self.node}: no controller port at {port_file} after "
+                                 f"{self.admit_timeout}s")
+            time.sleep(0.02)
+        port = port_file.read_text()
+        # announce out of band, so the controller calls Accept only when a Connect is coming
+        join = paths.join_dir(self.job_dir) / self.node
+        join.write_text(str(os.getpid()))
+        ch = mpictl.connect(port)
+        ch.send(Hello(self.node, socket.gethostname(), os.getpid(), os.getpgid(0)))
+        return ch
+
+    # ------------------------------------------------------------ workers
+    def spawn(self, launch: Launch) -> None:
+        self.launch = launch
+        t = launch.config["timeouts"]
+        self.worker_timeout = t["worker_heartbeat_timeout_s"]
+        self.controller_timeout = t["controller_timeout_s"]
+        self.shutdown_s = t["shutdown_s"]
+        logs = paths.log_dir(self.job_dir)
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("PMI_", "MPIR_", "HYDRA_", "MPI_", mpictl.MPI_ENV))}
+        env.update(dict(launch.env))
+        for i in range(launch.local_ranks):
+            a, b = socket.socketpair()
+            wenv = dict(env, TM_SLURM_AGENT_FD=str(b.fileno()), TM_SLURM_NODE=self.node,
+                        TM_SLURM_LOCAL=str(i), TM_SLURM_JOB_DIR=str(self.job_dir))
+            out = open(logs / f"{self.node}.w{i}.log", "ab")
+            proc = subprocess.Popen(list(launch.command), cwd=launch.cwd, env=wenv, pass_fds=[b.fileno()],
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+            b.close()
+            out.close()
+            a.setblocking(True)
+            w = WorkerProc(i, proc, Wire(a), rank=launch.ranks[i] if launch.ranks else None)
+            self.workers[i] = w
+            self.sel.register(a, selectors.EVENT_READ, w)
+            w.wire.send(Assign(launch, self.node, i))
+
+    def to_workers(self, payload) -> None:
+        for w in self.workers.values():
+            if not w.done:
+                w.wire.send(payload)
+
+    def kill_workers(self, sig=signal.SIGKILL) -> None:
+        for w in self.workers.values():
+            if w.proc.poll() is None:
+                try:
+                    w.proc.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+    def _from_worker(self, ch, w: WorkerProc, msg: Report) -> None:
+        w.last_heard = time.monotonic()
+        w.suspect = False
+        if msg.rank is not None:
+            w.rank = msg.rank
+        if msg.kind == "hb":
+            w.step = msg.step
+            w.committed = msg.data.get("committed")
+            w.progress.extend(msg.data.get("progress", ()))
+            return
+        if msg.step is not None and msg.kind not in ("aborted",):
+            w.step = msg.step
+        ch.send(WorkerReport(self.node, w.local, msg))
+
+    def _read(self, ch, w: WorkerProc) -> None:
+        try:
+            for m in w.wire.recv_ready():
+                self._from_worker(ch, w, m)
+        except EOFError:
+            self.sel.unregister(w.wire.sock)
+            w.wire.close()
+
+    def _reap(self, ch) -> None:
+        for w in self.workers.values():
+            if w.done:
+                continue
+            rc = w.proc.poll()
+            if rc is None:
+                now = time.monotonic()
+                silent = now - (w.last_heard or w.started)
+                limit = self.worker_timeout if w.last_heard is not None else self.admit_timeout
+                if silent > limit and not w.suspect:
+                    w.suspect = True
+                    ch.send(WorkerSuspect(self.node, w.local, w.proc.pid, w.rank, silent))
+                continue
+            try:
+                self._read(ch, w)   # what it said before it went
+            except Exception:
+                pass
+            w.done = True
+            ch.send(WorkerExited(self.node, w.local, w.proc.pid, rc, w.rank))
+
+    def heartbeat(self, ch) -> None:
+        self.seq += 1
+        now = time.monotonic()
+        infos = tuple(WorkerInfo(w.local, w.proc.pid, w.rank, w.step, w.committed, not w.done,
+                                 now - (w.last_heard or w.started), tuple(w.progress))
+                      for w in self.workers.values())
+        for w in self.workers.values():
+            w.progress = []
+        ch.send(Heartbeat(self.node, self.seq, time.time(), infos))
+
+    # ------------------------------------------------------------ main loop
+    def run(self) -> int:
+        ch = self.connect()
+        self.last_ctl = time.monotonic()
+        next_hb = 0.0
+        last = time.monotonic()
+        while True:
+            t = time.monotonic()
+            if t - last > 0.5:
+                print(f"agent {self.node}: main loop stalled {t - last:.2f}s", file=sys.stderr, flush=True)
+            last = t
+            for m in ch.poll():
+                self.last_ctl = time.monotonic()
+                rc = self.handle(ch, m)
+                if rc is not None:
+                    return rc
+            for key, _ in self.sel.select(timeout=0.001):
+                self._read(ch, key.data)
+            self._reap(ch)
+            now = time.monotonic()
+            if now >= next_hb:
+                self.heartbeat(ch)
+                next_hb = now + self.hb_interval
+            if now - self.last_ctl > self.controller_timeout:
+                return self.controller_lost(ch)
+            if self.stopping and all(w.done for w in self.workers.values()):
+                ch.send(AgentBye(self.node, "workers done"))
+                self._flush(ch)
+                return 0
+
+    def handle(self, ch, m) -> int | None:
+        if isinstance(m, Launch):
+            self.spawn(m)
+        elif isinstance(m, ToWorkers):
+            self.to_workers(m.payload)
+        elif isinstance(m, Fence):
+            self.kill_workers()
+        elif isinstance(m, Shutdown):
+            return self.shutdown(ch, m)
+        elif isinstance(m, Ping):
+            pass
+        return None
+
+    def shutdown(self, ch, m: Shutdown) -> int:
+        if m.graceful:
+            self.to_workers(Stop(m.reason))
+            end = time.monotonic() + self.shutdown_s
+            while time.monotonic() < end and any(w.proc.poll() is None for w in self.workers.values()):
+                for key, _ in self.sel.select(timeout=0.01):
+                    self._read(ch, key.data)
+        self.kill_workers()
+        for w in self.workers.values():
+            w.proc.wait()
+        self._reap(ch)
+        ch.send(AgentBye(self.node, m.reason))
+        self._flush(ch)
+        return 0
+
+    def controller_lost(self, ch) -> int:
+        """The controller (and its batch host) is gone: the surviving workers write a checkpoint of
+        the last committed step, then this step ends with a status that requeues the job."""
+        ch.abandon()
+        print(f"agent {self.node}: controller silent for {self.controller_timeout}s; "
+              "checkpointing and ending", file=sys.stderr, flush=True)
+        self.to_workers(Checkpoint(-1, "controller lost", exit_after=True))
+        end = time.monotonic() + self.shutdown_s * 3
+        while time.monotonic() < end and any(w.proc.poll() is None for w in self.workers.values()):
+            time.sleep(0.05)
+        self.kill_workers()
+        return EXIT_CONTROLLER_LOST
+
+    def _flush(self, ch, timeout: float = 2.0) -> None:
+        end = time.monotonic() + timeout
+        while ch.pending_sends() and time.monotonic() < end:
+            time.sleep(0.001)
+
+
+def main(job_dir: str, node: str, hb_interval: float, admit_timeout: float,
+         controller_timeout: float) -> int:
+    if not mpictl.under_mpiexec():
+        mpictl.reexec_under_mpiexec()
+    agent = Agent(Path(job_dir), node, hb_interval, admit_timeout, controller_timeout)
+    signal.signal(signal.SIGTERM, lambda *_: (agent.kill_workers(), os._exit(143)))
+    try:
+        rc = agent.run()
+    except SystemExit as e:
+        print(e, file=sys.stderr, flush=True)
+        agent.kill_workers()
+        rc = 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)

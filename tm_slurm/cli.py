@@ -1,0 +1,190 @@
+"""`tm-slurm`: the command line. Each verb parses, validates, and hands over to its module."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from . import config as cfgmod
+from . import jobdir
+
+JOBS_ROOT = "tm_slurm_jobs"
+
+
+# ---------------------------------------------------------------- shared helpers
+
+def find_job(arg: str | None) -> Path:
+    """A job directory from a path, a job id (under ./tm_slurm_jobs or the Slurm job's working
+    directory), or nothing (the newest job under ./tm_slurm_jobs)."""
+    if arg:
+        p = Path(arg)
+        if (p / "events.jsonl").exists() or (p / "control").is_dir():
+            return p
+        for base in (Path.cwd(), *_slurm_workdir(arg)):
+            q = base / JOBS_ROOT / arg
+            if q.is_dir():
+                return q
+        raise SystemExit(f"no job directory for {arg!r} (looked for {arg}/events.jsonl and "
+                         f"{JOBS_ROOT}/{arg} here and in the Slurm job's working directory)")
+    root = Path.cwd() / JOBS_ROOT
+    jobs = sorted((p for p in root.glob("*") if (p / "events.jsonl").exists()),
+                  key=lambda p: (p / "events.jsonl").stat().st_mtime) if root.is_dir() else []
+    if not jobs:
+        raise SystemExit(f"no job found under {root}; pass --job DIR_OR_ID")
+    return jobs[-1]
+
+
+def _slurm_workdir(job_id: str) -> list[Path]:
+    from .slurm import backend_for
+    try:
+        wd = backend_for("auto").job_workdir(job_id)
+    except Exception:
+        return []
+    return [Path(wd)] if wd else []
+
+
+def _parse_local(spec: str) -> tuple[int, int]:
+    try:
+        a, _, k = spec.partition("+")
+        return int(a), int(k or 0)
+    except ValueError:
+        raise SystemExit(f"--local expects ACTIVE+STANDBY, e.g. 4+1; got {spec!r}") from None
+
+
+def load_config(args) -> cfgmod.Config:
+    overrides = dict(cfgmod.parse_override(s) for s in (args.set or []))
+    for flag, key in (("dp", "layout.dp"), ("pp", "layout.pp"), ("tp", "layout.tp"),
+                      ("ranks_per_node", "layout.ranks_per_node"), ("standbys", "standby.count")):
+        v = getattr(args, flag, None)
+        if v is not None:
+            overrides[key] = v
+    return cfgmod.load(args.config, overrides)
+
+
+# ---------------------------------------------------------------- verbs
+
+def cmd_run(args) -> int:
+    from .launch import job as jobmod
+    try:
+        cfg = load_config(args)
+        spec = jobmod.resolve(cfg, args)
+    except cfgmod.ConfigError as e:
+        print(f"tm-slurm run: configuration error: {e}", file=sys.stderr)
+        return 2
+    except jobmod.LaunchError as e:
+        print(f"tm-slurm run: {e}", file=sys.stderr)
+        return 2
+    return jobmod.run(cfg, spec)
+
+
+def cmd_agent(args) -> int:
+    from .agent import main
+    return main(args.job_dir, args.node, args.hb, args.admit_timeout, args.controller_timeout)
+
+
+def cmd_drain(args) -> int:
+    from .controller.requests import submit
+    job = find_job(args.job)
+    p = submit(job, "drain", args.node, args.reason)
+    print(f"drain of {args.node} requested ({p.name}) for job {job}")
+    return 0
+
+
+def cmd_fail(args) -> int:
+    from .events import fsync_write
+    from .launch.local import inject
+    job = find_job(args.job)
+    marker = jobdir.control_dir(job) / f"injected-{args.node}.json"
+    t = time.time()
+    fsync_write(marker, json.dumps({"t": t, "mode": args.mode}).encode())
+    inject(job, args.node, args.mode)
+    print(f"{args.node} {args.mode} at {t:.3f}")
+    return 0
+
+
+def cmd_checkpoint(args) -> int:
+    from .controller.requests import submit
+    job = find_job(args.job)
+    submit(job, "checkpoint", None, args.reason, exit=args.exit)
+    print(f"checkpoint requested for {job}")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from .status import show
+    return show(find_job(args.job), as_json=args.json, events=args.events)
+
+
+def cmd_demo(args) -> int:
+    from .demo import main
+    return main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tm-slurm", description=__doc__)
+    sub = ap.add_subparsers(dest="verb", required=True)
+
+    r = sub.add_parser("run", help="run a training job (under sbatch/salloc, or --local A+K)")
+    r.add_argument("--config", help="YAML config (see sbatch/example.yaml)")
+    r.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
+    r.add_argument("--local", metavar="A+K", help="no Slurm: A active + K standby nodes on this machine")
+    r.add_argument("--standbys", type=int, help="standby nodes (default: config standby.count)")
+    r.add_argument("--dp", type=int)
+    r.add_argument("--pp", type=int)
+    r.add_argument("--tp", type=int)
+    r.add_argument("--ranks-per-node", type=int, dest="ranks_per_node")
+    r.add_argument("--job-dir", help="default: ./tm_slurm_jobs/<job id>")
+    r.add_argument("--job-id", help="default: the Slurm job id, or local-<time>")
+    r.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
+    r.set_defaults(fn=cmd_run)
+
+    a = sub.add_parser("agent", help="(internal) the per-node agent")
+    a.add_argument("--job-dir", required=True)
+    a.add_argument("--node", required=True)
+    a.add_argument("--hb", type=float, default=0.1)
+    a.add_argument("--admit-timeout", type=float, default=120.0)
+    a.add_argument("--controller-timeout", type=float, default=10.0)
+    a.set_defaults(fn=cmd_agent)
+
+    d = sub.add_parser("drain", help="planned migration of NODE (local mode, or any job)")
+    d.add_argument("node")
+    d.add_argument("--job", help="job directory or id (default: the newest here)")
+    d.add_argument("--reason", default="drain requested")
+    d.set_defaults(fn=cmd_drain)
+
+    f = sub.add_parser("fail", help="local mode: make NODE fail for real")
+    f.add_argument("node")
+    f.add_argument("--mode", choices=("kill", "hang", "exit"), default="kill",
+                   help="kill: SIGKILL the node's processes; hang: SIGSTOP them; exit: its workers die")
+    f.add_argument("--job")
+    f.set_defaults(fn=cmd_fail)
+
+    c = sub.add_parser("checkpoint", help="write a checkpoint at the next step boundary")
+    c.add_argument("--job")
+    c.add_argument("--reason", default="requested")
+    c.add_argument("--exit", action="store_true", help="then end the job (requeue-able status)")
+    c.set_defaults(fn=cmd_checkpoint)
+
+    s = sub.add_parser("status", help="nodes, roles, generation and recent events of a job")
+    s.add_argument("--job")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--events", type=int, default=10, help="how many recent events to show")
+    s.set_defaults(fn=cmd_status)
+
+    m = sub.add_parser("demo", help="the one-command tour: run the example, drain a node, check")
+    m.add_argument("--json", action="store_true")
+    m.add_argument("--scenario", choices=("planned", "unplanned", "both"), default="both")
+    m.add_argument("--steps", type=int, default=40)
+    m.add_argument("--compile", action="store_true", help="torch.compile the example model")
+    m.set_defaults(fn=cmd_demo)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "command", None) and args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    return args.fn(args) or 0

@@ -1,0 +1,153 @@
+"""`Comm` handles: what user code calls for collectives. They name a group by id and look it up in
+the runtime's `GroupTable` on every call, so a swap is a pointer change in the table and the
+user's objects (and any compiled code around them) never change.
+
+Failures *fail through*: an op on a broken group returns at once (a recv leaves zeros) and the
+group is marked broken, so the step's program runs to its end with the same sequence of ops on
+every healthy group, keeping those groups consistent and reusable; the commit vote then discards
+the step on every rank.
+"""
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from .groups import Group
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class GroupTable:
+    """Current group instances by id, plus which of them broke during the current step."""
+
+    def __init__(self, on_error: Callable[[str, BaseException], None], op_timeout: float):
+        self.groups: dict[str, Group] = {}
+        self.broken: set[str] = set()
+        self.on_error = on_error
+        self.op_timeout = timedelta(seconds=op_timeout)
+        self.recorder = None       # set on ranks that record stand-ins for standbys' sandboxes
+        self._lock = threading.Lock()
+
+    def swap(self, new: dict[str, Group]) -> list[Group]:
+        """Install new instances; returns the replaced ones (for the reaper)."""
+        with self._lock:
+            old = [self.groups[k] for k in new if k in self.groups]
+            self.groups.update(new)
+            self.broken -= set(new)
+        return old
+
+    def drop(self, ids: Iterable[str]) -> list[Group]:
+        with self._lock:
+            return [self.groups.pop(i) for i in list(ids) if i in self.groups]
+
+    def run(self, gid: str, fn: Callable[[Group], None]) -> bool:
+        if gid in self.broken:
+            return False
+        g = self.groups.get(gid)
+        if g is None:
+            self.broken.add(gid)
+            self.on_error(gid, RuntimeError(f"group {gid} is not built"))
+            return False
+        try:
+            fn(g)
+            return True
+        except Exception as e:          # gloo: RuntimeError / DistBackendError on a dead or hung peer
+            self.broken.add(gid)
+            self.on_error(gid, e)
+            return False
+
+    # ---- primitive ops (the sandbox's table overrides these)
+    def allreduce(self, gid: str, t: torch.Tensor, op: str) -> bool:
+        o = dist.AllreduceOptions()
+        o.reduceOp = _OPS[op]
+        o.timeout = self.op_timeout
+        return self.run(gid, lambda g: g.pg.allreduce([t], o).wait())
+
+    def broadcast(self, gid: str, t: torch.Tensor, root: int) -> bool:
+        o = dist.BroadcastOptions()
+        o.rootRank = root
+        o.timeout = self.op_timeout
+        return self.run(gid, lambda g: g.pg.broadcast([t], o).wait())
+
+    def send(self, gid: str, t: torch.Tensor, peer: int) -> bool:
+        return self.run(gid, lambda g: g.pg.send([t], peer, 0).wait())
+
+    def recv(self, gid: str, t: torch.Tensor, peer: int) -> bool:
+        ok = self.run(gid, lambda g: g.pg.recv([t], peer, 0).wait())
+        if not ok:
+            t.zero_()
+        elif self.recorder is not None:
+            self.recorder.note(peer, t)
+        return ok
+
+
+class Comm:
+    """Collectives over one group (DP or TP). Size 1: every op is a local no-op."""
+
+    def __init__(self, table: GroupTable, gid: str | None, size: int, rank: int):
+        self._table, self.gid, self.size, self.rank = table, gid, size, rank
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if self.size > 1:
+            self._table.allreduce(self.gid, t, op)
+        return t
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self.size > 1:
+            self._table.broadcast(self.gid, t, src)
+        return t
+
+    def all_reduce_grads(self, params, average: bool = True) -> None:
+        """Average (or sum) the gradients of `params` (a module or an iterable of parameters)
+        in one flat buffer: one collective a step, like DDP's bucketing with one bucket."""
+        if isinstance(params, torch.nn.Module):
+            params = params.parameters()
+        ps = [p for p in params if p.requires_grad]
+        if self.size == 1 or not ps:
+            return
+        for p in ps:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in ps])
+        self._table.allreduce(self.gid, flat, "sum")
+        if average:
+            flat /= self.size
+        off = 0
+        for p in ps:
+            n = p.numel()
+            p.grad.copy_(flat[off:off + n].view_as(p.grad))
+            off += n
+
+
+class PipeComm:
+    """Point-to-point between adjacent pipeline stages (one two-member group per stage pair)."""
+
+    def __init__(self, table: GroupTable, prev_gid: str | None, next_gid: str | None):
+        self._table, self.prev_gid, self.next_gid = table, prev_gid, next_gid
+
+    def _need(self, gid, what):
+        if gid is None:
+            raise RuntimeError(f"{what}: this is the {'first' if what.endswith('prev') else 'last'} "
+                               "pipeline stage, there is no such neighbour")
+
+    def send_next(self, t: torch.Tensor) -> None:
+        self._need(self.next_gid, "send_next")
+        self._table.send(self.next_gid, t.contiguous(), 1)
+
+    def recv_prev(self, t: torch.Tensor) -> torch.Tensor:
+        self._need(self.prev_gid, "recv_prev")
+        self._table.recv(self.prev_gid, t, 0)
+        return t
+
+    def send_prev(self, t: torch.Tensor) -> None:
+        self._need(self.prev_gid, "send_prev")
+        self._table.send(self.prev_gid, t.contiguous(), 0)
+
+    def recv_next(self, t: torch.Tensor) -> torch.Tensor:
+        self._need(self.next_gid, "recv_next")
+        self._table.recv(self.next_gid, t, 1)
+        return t

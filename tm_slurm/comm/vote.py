@@ -1,0 +1,111 @@
+"""The per-step commit vote and the agreed switch point, both through the controller's TCPStore.
+
+Every rank votes before its optimizer step. The last of `world` ok-votes writes the decision with
+compare_set, so exactly one decision per (generation, step) exists and every rank reads the same
+one; a rank that saw a failure, the controller, or a rank whose wait timed out writes "abort"
+the same way and wins only if nobody committed first. The committing voter also reads the
+controller's pending switch, so a planned swap happens at the same step boundary everywhere.
+Nobody applies a partial update: a step is applied only under a commit decision.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import timedelta
+
+
+@dataclass(frozen=True)
+class Decision:
+    commit: bool
+    switch: int | None = None     # plan id to switch to at this boundary
+    gen_to: int | None = None
+    checkpoint: str | None = None  # write a checkpoint at this boundary (the reason)
+    exit: bool = False            # ... and end the job after it
+    why: str = ""
+
+    def encode(self) -> str:
+        d: dict = {"c": int(self.commit)}
+        if self.switch is not None:
+            d.update(sw=self.switch, gen=self.gen_to)
+        if self.checkpoint:
+            d.update(ck=self.checkpoint, x=int(self.exit))
+        if self.why:
+            d["why"] = self.why
+        return json.dumps(d)
+
+    @staticmethod
+    def decode(raw: bytes | str) -> "Decision":
+        d = json.loads(raw)
+        return Decision(bool(d["c"]), d.get("sw"), d.get("gen"), d.get("ck"), bool(d.get("x", 0)),
+                        d.get("why", ""))
+
+
+def nkey(gen: int, step: int) -> str:
+    return f"vote/g{gen}/s{step}/n"
+
+
+def dkey(gen: int, step: int) -> str:
+    return f"vote/g{gen}/s{step}/d"
+
+
+def pending_key(gen: int) -> str:
+    return f"vote/g{gen}/pending"
+
+
+def switch_key(plan_id: int) -> str:
+    return f"plan{plan_id}/switch_step"
+
+
+def abort(store, gen: int, step: int, why: str) -> Decision:
+    """Try to abort (gen, step); returns the decision that stands (a commit may have won)."""
+    raw = store.compare_set(dkey(gen, step), "", Decision(False, why=why).encode())
+    return Decision.decode(raw)
+
+
+def vote(store, gen: int, step: int, world: int, ok: bool, timeout: float) -> Decision:
+    if not ok:
+        return abort(store, gen, step, "a rank saw a failure")
+    n = store.add(nkey(gen, step), 1)
+    if n == world:
+        pk = pending_key(gen)
+        raw_p = store.get(pk) if store.check([pk]) else b""
+        p = json.loads(raw_p) if raw_p else {}
+        dec = Decision(True, p.get("plan"), p.get("gen"), p.get("ckpt"), bool(p.get("exit", False)))
+        got = Decision.decode(store.compare_set(dkey(gen, step), "", dec.encode()))
+        if got == dec and raw_p and dec.switch is None:
+            store.compare_set(pk, raw_p.decode(), "")  # consumed, unless the controller changed it
+        if got.commit and got.switch is not None:
+            store.set(switch_key(got.switch), str(step))
+        return got
+    try:
+        store.wait([dkey(gen, step)], timedelta(seconds=timeout))
+    except Exception:
+        return abort(store, gen, step, f"no decision within {timeout}s")
+    return Decision.decode(store.get(dkey(gen, step)))
+
+
+def first_undecided_abort(store, gen: int, from_step: int, why: str,
+                          limit: int = 1000) -> tuple[int, int]:
+    """Controller: abort the in-flight step (the first one without a decision), following a
+    committed switch into the next generation. Steps are decided in order, so the first
+    compare_set that lands is the in-flight step. Returns (gen, step) of the aborted step."""
+    step = max(from_step, 0)
+    for _ in range(limit):
+        d = abort(store, gen, step, why)
+        if not d.commit:
+            return gen, step
+        if d.switch is not None:
+            gen = d.gen_to
+        step += 1
+    raise RuntimeError(f"could not abort generation {gen}: {limit} steps committed past {from_step}")
+
+
+def set_pending(store, gen: int, *, plan_id: int | None = None, gen_to: int | None = None,
+                checkpoint: str | None = None, exit: bool = False) -> None:
+    """Controller: act at the next committed boundary of `gen` (every rank sees the same one)."""
+    p: dict = {}
+    if plan_id is not None:
+        p.update(plan=plan_id, gen=gen_to)
+    if checkpoint:
+        p.update(ckpt=checkpoint, exit=exit)
+    store.set(pending_key(gen), json.dumps(p))

@@ -1,0 +1,279 @@
+"""The job's configuration: one tree of frozen dataclasses, loaded from YAML and CLI overrides.
+
+Strict on purpose: an unknown key, a wrong type or timeouts in the wrong order are errors raised
+before anything starts, each naming the key and what would be valid.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """Bad configuration; the message says which key and what to do instead."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel layout. Ranks are numbered tp fastest, then dp, then pp; node i hosts the
+    consecutive ranks [i*ranks_per_node, (i+1)*ranks_per_node)."""
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    ranks_per_node: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.tp
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every timeout of the runtime, in seconds. Their required order is checked in `check()`."""
+    heartbeat_interval_s: float = 0.1      # agent <-> controller, and worker -> agent
+    heartbeat_timeout_s: float = 2.0       # no heartbeat for this long: the peer is suspect
+    worker_heartbeat_timeout_s: float = 2.0  # agent's verdict on one of its workers
+    fence_grace_s: float = 1.0             # a fenced process must be gone within this
+    collective_timeout_s: float = 30.0     # per-op deadline of every collective (hang backstop)
+    vote_timeout_s: float = 120.0          # a rank waits this long for its step's commit decision
+    phase1_timeout_s: float = 120.0        # a planned swap's preparation must finish within this
+    rebuild_timeout_s: float = 15.0        # a group rebuilt after a failure: all members present
+    recovery_timeout_s: float = 180.0      # an aborted rank waits this long for a recovery plan
+    admit_timeout_s: float = 120.0         # every agent must have connected by then
+    controller_timeout_s: float = 10.0     # agents: controller silent this long -> it is gone
+    shutdown_s: float = 10.0               # clean exit before processes are killed
+
+    def check(self) -> None:
+        order = [
+            ("heartbeat_interval_s", "heartbeat_timeout_s"),
+            ("heartbeat_interval_s", "worker_heartbeat_timeout_s"),
+            ("heartbeat_timeout_s", "collective_timeout_s"),
+            ("worker_heartbeat_timeout_s", "collective_timeout_s"),
+            ("fence_grace_s", "collective_timeout_s"),
+            ("collective_timeout_s", "vote_timeout_s"),
+            ("heartbeat_timeout_s", "controller_timeout_s"),
+            ("heartbeat_timeout_s", "rebuild_timeout_s"),
+            ("rebuild_timeout_s", "recovery_timeout_s"),
+            ("collective_timeout_s", "recovery_timeout_s"),
+        ]
+        for name in (f.name for f in dataclasses.fields(self)):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"timeouts.{name} must be > 0, got {getattr(self, name)}")
+        for lo, hi in order:
+            if not getattr(self, lo) < getattr(self, hi):
+                raise ConfigError(
+                    f"timeouts.{lo} ({getattr(self, lo)}) must be smaller than timeouts.{hi} "
+                    f"({getattr(self, hi)}): required order is "
+                    + ", ".join(f"{a} < {b}" for a, b in order))
+
+
+@dataclass(frozen=True)
+class Standby:
+    count: int = 1                          # nodes of the allocation kept as standbys
+    sandbox: bool = True                    # warm standbys up with shadow iterations (no comm)
+    sandbox_steps: int = 2                  # shadow iterations per rehearsed role
+    when_exhausted: str = "checkpoint_exit"  # wait | shrink | checkpoint_exit
+    wait_s: float = 300.0                   # with when_exhausted=wait: how long before checkpoint_exit
+    replenish: bool = False                 # submit a companion job when the pool runs low
+    replenish_target: int = 1
+    replenish_sbatch_args: tuple = ()
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    every_steps: int = 0                    # 0: only on demand (time limit, no replica, exit)
+    keep: int = 2
+    dir: str = ""                           # default: <job dir>/checkpoints
+
+
+@dataclass(frozen=True)
+class Comm:
+    backend: str = "auto"                   # auto | gloo | nccl
+    gloo_threads: int = 2
+    interface: str = ""                     # gloo: bind to this host/IP instead of the node's name
+
+
+@dataclass(frozen=True)
+class Slurm:
+    backend: str = "auto"                   # auto | cli | pyslurm
+    poll_interval_s: float = 1.0
+    maint_horizon_s: float = 600.0          # act on a MAINT reservation starting within this
+    release_nodes: bool = True              # give evacuated nodes back to Slurm
+    requeue_on_exit: bool = True            # time limit / batch-host loss: requeue the job
+    srun_args: tuple = ()                   # extra arguments for each agent's srun
+
+
+@dataclass(frozen=True)
+class Straggler:
+    enabled: bool = False
+    margin: float = 0.5                     # slower than the median peer by this fraction
+    window_steps: int = 20                  # ... over this many consecutive steps
+
+
+@dataclass(frozen=True)
+class Config:
+    layout: Layout = field(default_factory=Layout)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    standby: Standby = field(default_factory=Standby)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    comm: Comm = field(default_factory=Comm)
+    slurm: Slurm = field(default_factory=Slurm)
+    straggler: Straggler = field(default_factory=Straggler)
+    seed: int = 0
+    job_dir: str = ""                       # default: ./tm_slurm_jobs/<job id>
+
+    def check(self) -> None:
+        lay = self.layout
+        for k in ("dp", "pp", "tp", "ranks_per_node"):
+            if getattr(lay, k) < 1:
+                raise ConfigError(f"layout.{k} must be >= 1, got {getattr(lay, k)}")
+        if lay.ranks_per_node % lay.tp:
+            raise ConfigError(
+                f"layout.ranks_per_node ({lay.ranks_per_node}) must be a multiple of layout.tp "
+                f"({lay.tp}): tensor-parallel groups stay inside one node")
+        if lay.world % lay.ranks_per_node:
+            raise ConfigError(
+                f"dp*pp*tp = {lay.world} ranks do not fill whole nodes of "
+                f"layout.ranks_per_node={lay.ranks_per_node}")
+        self.timeouts.check()
+        choices = {"standby.when_exhausted": (self.standby.when_exhausted, ("wait", "shrink", "checkpoint_exit")),
+                   "comm.backend": (self.comm.backend, ("auto", "gloo", "nccl")),
+                   "slurm.backend": (self.slurm.backend, ("auto", "cli", "pyslurm"))}
+        for key, (val, ok) in choices.items():
+            if val not in ok:
+                raise ConfigError(f"{key} must be one of {', '.join(ok)}; got {val!r}")
+        if self.standby.count < 0:
+            raise ConfigError(f"standby.count must be >= 0, got {self.standby.count}")
+        if self.checkpoint.every_steps < 0 or self.checkpoint.keep < 1:
+            raise ConfigError("checkpoint.every_steps must be >= 0 and checkpoint.keep >= 1")
+        if not 0 < self.straggler.margin:
+            raise ConfigError("straggler.margin must be > 0")
+
+    def active_nodes(self) -> int:
+        return self.layout.world // self.layout.ranks_per_node
+
+    def check_nodes(self, total_nodes: int, standbys: int | None = None) -> None:
+        """An allocation of `total_nodes` must hold the layout's active nodes plus the standbys."""
+        k = self.standby.count if standbys is None else standbys
+        need = self.active_nodes()
+        lay = self.layout
+        what = (f"layout dp={lay.dp} x pp={lay.pp} x tp={lay.tp} = {lay.world} ranks at "
+                f"{lay.ranks_per_node} per node needs {need} active nodes")
+        if k > total_nodes:
+            raise ConfigError(f"{k} standbys requested but the allocation has only {total_nodes} nodes")
+        if total_nodes - k != need:
+            raise ConfigError(
+                f"{what}, plus {k} standby = {need + k} nodes, but {total_nodes} were given; "
+                f"change the node count (e.g. --local {need}+{k} or sbatch -N {need + k}) or the layout")
+
+
+# ---------------------------------------------------------------- loading
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(path: str, typ: Any, value: Any) -> Any:
+    if dataclasses.is_dataclass(typ):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path} must be a mapping, got {type(value).__name__}")
+        return _build(typ, value, path)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{path} must be true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"{path} must be an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{path} must be an integer, got {value!r}") from None
+    if typ is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{path} must be a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{path} must be a number, got {value!r}") from None
+    if typ is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{path} must be a string, got {value!r}")
+        return str(value)
+    if typ is tuple:
+        if isinstance(value, str):
+            return tuple(value.split())
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path} must be a list, got {value!r}")
+        return tuple(str(v) for v in value)
+    raise ConfigError(f"{path}: unsupported type {typ}")  # pragma: no cover - schema bug
+
+
+def _build(cls, data: Mapping[str, Any], prefix: str = ""):
+    types = _field_types(cls)
+    unknown = sorted(set(data) - set(types))
+    if unknown:
+        where = prefix or "top level"
+        raise ConfigError(f"unknown key(s) {', '.join(map(repr, unknown))} in {where}; "
+                          f"valid keys: {', '.join(types)}")
+    kwargs = {k: _coerce(f"{prefix}.{k}" if prefix else k, types[k], v) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _set_path(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: {p} is not a section")
+    node[parts[-1]] = value
+
+
+def load(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
+    """Load a YAML file (may be None) and apply dotted overrides like {"layout.dp": 2}."""
+    tree: dict = {}
+    if path:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path} must hold a mapping at the top level")
+        tree = loaded
+    for k, v in (overrides or {}).items():
+        _set_path(tree, k, v)
+    cfg = _build(Config, tree)
+    cfg.check()
+    return cfg
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`key.sub=value` from the command line; the value is parsed as YAML (so 3, 0.5, true work)."""
+    if "=" not in text:
+        raise ConfigError(f"--set expects KEY=VALUE, got {text!r}")
+    k, v = text.split("=", 1)
+    return k.strip(), yaml.safe_load(v) if v.strip() else ""
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(data: Mapping[str, Any]) -> Config:
+    """Inverse of to_dict (used to ship the config to agents and workers)."""
+    return _build(Config, data)

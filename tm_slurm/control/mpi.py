@@ -1,0 +1,176 @@
+"""The MPI control plane (DESIGN §2): the controller opens a port, each agent connects and keeps
+its own intercommunicator, so a dead agent breaks only its own link.
+
+Everything is non-blocking (isend + improbe polling): blocking receives burn a core, and MPI never
+reports a dead peer, so liveness is decided by heartbeats above this layer. After a failure a
+process never calls MPI_Finalize (it can hang on the dead peer): `mpi4py.rc.finalize = False`.
+
+A process that uses Connect/Accept must be started by `mpiexec -n 1` (two singletons share the
+same process ids and Connect fails with "groups not disjoint"); `mpiexec_argv` builds that wrapper,
+which also works inside an srun step (`-launcher fork -rmk user`: no nested Slurm launch).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+MPI_ENV = "TM_SLURM_MPIEXEC"      # set inside the wrapper so we do not wrap twice
+
+_MPI = None
+
+
+def mpi():
+    """Import mpi4py lazily (it initialises MPI on import) with finalize disabled."""
+    global _MPI
+    if _MPI is None:
+        import mpi4py
+        mpi4py.rc.finalize = False
+        mpi4py.rc.threads = True
+        mpi4py.rc.thread_level = "funneled"   # MPI is called from one thread per process
+        from mpi4py import MPI
+        _MPI = MPI
+    return _MPI
+
+
+def find_mpiexec() -> str:
+    explicit = os.environ.get("TM_SLURM_MPIEXEC_BIN")
+    if explicit:
+        return explicit
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.exists():
+        return str(here)
+    found = shutil.which("mpiexec")
+    if not found:
+        raise RuntimeError("mpiexec not found: install the MPI runtime (pip install 'tm-slurm[mpi]' "
+                           "gives the PyPI mpich wheel) or set TM_SLURM_MPIEXEC_BIN")
+    return found
+
+
+def under_mpiexec() -> bool:
+    return os.environ.get(MPI_ENV) == "1"
+
+
+def mpiexec_argv(argv: list[str]) -> list[str]:
+    return [find_mpiexec(), "-launcher", "fork", "-rmk", "user", "-n", "1", *argv]
+
+
+def mpi_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    e = dict(os.environ if env is None else env)
+    e[MPI_ENV] = "1"
+    # the ch4:ucx netmod of the PyPI wheel crashed (SIGSEGV/SIGBUS inside Accept) when several
+    # agents connected at once; ch4:ofi with the tcp provider did not, in every run here
+    e.setdefault("MPIR_CVAR_CH4_NETMOD", "ofi")
+    e.setdefault("FI_PROVIDER", "tcp")
+    e.setdefault("MPIR_CVAR_CH4_COMM_CONNECT_TIMEOUT", "10")  # an agent dying mid-join: bounded Accept
+    return e
+
+
+def reexec_under_mpiexec() -> None:
+    """Replace this process by `mpiexec -n 1 <same command>` unless already wrapped."""
+    if under_mpiexec():
+        return
+    argv = mpiexec_argv([sys.executable, "-m", "tm_slurm", *sys.argv[1:]])
+    os.execve(argv[0], argv, mpi_env())
+
+
+class Channel:
+    """One intercommunicator to one peer (rank 0 of the remote group), pickled messages."""
+
+    TAG = 7
+
+    def __init__(self, comm):
+        self.comm = comm
+        self._pending: list = []
+        self.dead = False
+
+    def send(self, msg: Any) -> None:
+        if self.dead:
+            return
+        MPI = mpi()
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        buf = bytearray(data)
+        req = self.comm.Isend([buf, MPI.BYTE], dest=0, tag=self.TAG)
+        self._pending.append((req, buf))
+        self._reap()
+
+    def _reap(self) -> None:
+        if self._pending:
+            self._pending = [(r, b) for r, b in self._pending if not r.Test()]
+
+    def poll(self, limit: int = 64) -> list[Any]:
+        """Messages that have arrived, without blocking."""
+        if self.dead:
+            return []
+        MPI = mpi()
+        out = []
+        status = MPI.Status()
+        for _ in range(limit):
+            m = self.comm.improbe(source=0, tag=self.TAG, status=status)
+            if m is None:
+                break
+            buf = bytearray(status.Get_count(MPI.BYTE))
+            m.Recv([buf, MPI.BYTE])
+            out.append(pickle.loads(bytes(buf)))
+        self._reap()
+        return out
+
+    def pending_sends(self) -> int:
+        self._reap()
+        return len(self._pending)
+
+    def abandon(self) -> None:
+        """Peer is dead: stop using the link. Pending sends to a dead peer are dropped, not waited
+        for (Disconnect would wait for them), and we never Disconnect a dead peer's link."""
+        self.dead = True
+        self._pending = []
+
+    def close(self) -> None:
+        """Orderly disconnect from a live peer."""
+        if self.dead:
+            return
+        for r, _ in self._pending:
+            try:
+                r.Wait()
+            except Exception:
+                pass
+        self._pending = []
+        try:
+            self.comm.Disconnect()
+        except Exception:
+            pass
+        self.dead = True
+
+
+class Port:
+    """Controller side: an open port, published as a file in the job directory."""
+
+    def __init__(self, path: Path):
+        MPI = mpi()
+        self.name = MPI.Open_port()
+        self.path = path
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.name)
+        os.replace(tmp, path)
+
+    def accept(self) -> Channel:
+        MPI = mpi()
+        comm = MPI.COMM_SELF.Accept(self.name)
+        comm.Set_errhandler(MPI.ERRORS_RETURN)
+        return Channel(comm)
+
+    def close(self) -> None:
+        try:
+            mpi().Close_port(self.name)
+        except Exception:
+            pass
+
+
+def connect(port_name: str) -> Channel:
+    MPI = mpi()
+    comm = MPI.COMM_SELF.Connect(port_name)
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    return Channel(comm)

@@ -1,0 +1,530 @@
+"""The controller's main loop: admit agents, relay plans, watch liveness, and act on events.
+
+It is the only process that decides: which node failed, which standby replaces it, when a swap
+switches, when the job ends. Decisions come from `planner` (pure); this module executes them and
+records every state change in the event log.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable
+
+import torch.distributed as dist
+
+from .. import config as cfgmod
+from .. import jobdir
+from ..comm import vote as votes
+from ..control import mpi as mpictl
+from ..events import EventLog, fsync_write
+from ..messages import (AgentBye, Fence, Heartbeat, Hello, Launch, Move, Ping, Shutdown, SwapPlan,
+                        WorkerExited, WorkerReport, WorkerSuspect)
+from ..planner import check_drain, choose_joiner, initial_builds, plan_planned
+from ..roles import JobState, JobStatus, NodeTable, Role
+from ..topology import Topology
+from ..worker import checkpoint as ckpt
+from .progress import Progress
+from .recovery import Recovery
+from .requests import Inbox as RequestInbox, Request, slurm_user_uid
+from .swap import PlannedSwap
+
+REQUEUE_EXIT = 75   # EX_TEMPFAIL: checkpointed, run me again
+
+
+class Controller:
+    def __init__(self, cfg: cfgmod.Config, *, job_id: str, job_dir: Path, command: list[str],
+                 cwd: str, env: dict[str, str], nodes: list[str], standbys: int, launcher,
+                 store_host: str = "127.0.0.1", watcher=None, resume_checkpoint: str | None = None,
+                 on_tick: Callable[["Controller"], None] | None = None):
+        cfg.check_nodes(len(nodes), standbys)
+        if len(set(nodes)) != len(nodes):
+            raise cfgmod.ConfigError(f"node names must be unique, got {nodes}")
+        self.cfg, self.T = cfg, cfg.timeouts
+        self.topo = Topology(cfg.layout)
+        self.job_id, self.job_dir = job_id, Path(job_dir)
+        self.command, self.cwd, self.env = list(command), cwd, dict(env)
+        self.launcher, self.watcher = launcher, watcher
+        self.store_host = store_host
+        self.on_tick = on_tick
+        self.log = EventLog(jobdir.events_file(self.job_dir), job_id)
+        self.nodes = NodeTable(self.log)
+        self.job = JobStatus(self.log)
+        n_active = len(nodes) - standbys
+        self.holder: dict[int, str] = {}
+        for i, n in enumerate(nodes[:n_active]):
+            self.nodes.add(n, Role.ACTIVE, slot=i)
+            for r in self.topo.slot_ranks(i):
+                self.holder[r] = n
+        for n in nodes[n_active:]:
+            self.nodes.add(n, Role.STANDBY)
+        self.gen = 0
+        self._gen_seq = 0
+        self.plan_seq = 0
+        self.groups = {b.id: b for b in initial_builds(self.topo)}
+        self.channels: dict[str, mpictl.Channel] = {}
+        self.last_hb: dict[str, float] = {}
+        self.workers: dict[str, dict[int, object]] = {}
+        self.started: set[int] = set()
+        self.standby_up: dict[str, set[int]] = {}
+        self.progress = Progress()
+        self.finished: dict[int, str] = {}
+        self.exited: set[tuple[str, int]] = set()
+        self.swap: PlannedSwap | None = None
+        self.recovery: Recovery | None = None
+        self.interruptions: list[dict] = []
+        self.wanted_drains: dict[str, Request] = {}
+        self.deferred_drains: set[str] = set()
+        self.wanted_checkpoint: Request | None = None
+        self.checkpoints_done: set[int] = set()
+        self.resume_checkpoint = resume_checkpoint
+        self.start_step = 0
+        self.total_steps: int | None = None
+        self.requeue_code = REQUEUE_EXIT
+        self._stopping: dict | None = None
+        self.exit_code: int | None = None
+        self._agents_gone: set[str] = set()
+        allowed = {os.getuid(), 0} | ({u} if (u := slurm_user_uid()) is not None else set())
+        self.requests = RequestInbox(self.job_dir, allowed)
+
+    # ------------------------------------------------------------ helpers used by swap/recovery
+    def new_gen(self) -> int:
+        self._gen_seq += 1
+        return self._gen_seq
+
+    def committed_step(self) -> int | None:
+        return self.progress.min_committed(self.holder)
+
+    def send(self, node: str, msg) -> None:
+        ch = self.channels.get(node)
+        if ch is not None and not ch.dead:
+            ch.send(msg)
+
+    def broadcast(self, msg) -> None:
+        for n in list(self.channels):
+            self.send(n, msg)
+
+    def adopt(self, plan: SwapPlan) -> None:
+        """A plan took effect: new generation, new slot holders, new group instances."""
+        self.gen = plan.gen_to
+        self.log.gen = plan.gen_to
+        for m in plan.moves:
+            for r in self.topo.slot_ranks(m.slot):
+                self.holder[r] = m.joiner
+        for b in plan.builds:
+            self.groups[b.id] = b
+
+    # ------------------------------------------------------------ setup
+    def _open(self) -> None:
+        self.store = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=self.T.vote_timeout_s))
+        self.store_addr = (self.store_host, self.store.port)
+        jobdir.control_dir(self.job_dir)
+        jobdir.join_dir(self.job_dir)
+        self.port = mpictl.Port(jobdir.port_file(self.job_dir))
+        if self.resume_checkpoint:
+            self.start_step = int(Path(self.resume_checkpoint).name.removeprefix("step"))
+        self.log.emit("job_start", nodes=sorted(self.nodes.nodes), pid=os.getpid(),
+                      layout=cfgmod.to_dict(self.cfg)["layout"], command=self.command,
+                      store=list(self.store_addr), resume_from=self.resume_checkpoint,
+                      start_step=self.start_step)
+        self.t_start = time.monotonic()
+
+    def _launch_msg(self, node: str) -> Launch:
+        n = self.nodes.nodes[node]
+        ranks = self.topo.slot_ranks(n.slot) if n.role == Role.ACTIVE else ()
+        return Launch(job=self.job_id, gen=self.gen, role=n.role.value, slot=n.slot, ranks=ranks,
+                      local_ranks=self.cfg.layout.ranks_per_node, command=tuple(self.command),
+                      cwd=self.cwd, env=tuple(self.env.items()), config=cfgmod.to_dict(self.cfg),
+                      store=self.store_addr, groups=tuple(self.groups.values()),
+                      start_step=self.start_step, checkpoint=self.resume_checkpoint)
+
+    def _admit(self) -> None:
+        """One Accept per announced agent. Concurrent Connects are matched in arrival order, not
+        in the order of the announcements, so the agent's identity is its Hello, never the file."""
+        for f in sorted(jobdir.join_dir(self.job_dir).iterdir()):
+            f.unlink(missing_ok=True)
+            ch = self.port.accept()
+            hello = None
+            end = time.monotonic() + 5.0
+            while hello is None and time.monotonic() < end:
+                hello = next((m for m in ch.poll() if isinstance(m, Hello)), None)
+                time.sleep(0.001)
+            node = hello.node if hello else f.name
+            n = self.nodes.nodes.get(node)
+            if hello is None or n is None or n.role in (Role.FAILED, Role.RELEASED) or node in self.channels:
+                self.log.emit("agent_refused", node=node,
+                              why="no hello" if hello is None else "not an expected node of this job")
+                ch.send(Shutdown("refused", graceful=False))
+                continue
+            self.channels[node] = ch
+            self.last_hb[node] = time.monotonic()
+            self.nodes.set_host(node, hello.host)
+            self.log.emit("agent_admitted", node=node, host=hello.host, pid=hello.pid,
+                          since_start_s=round(time.monotonic() - self.t_start, 3))
+            ch.send(self._launch_msg(node))
+
+    # ------------------------------------------------------------ messages
+    def _dispatch(self, node: str, m) -> None:
+        if isinstance(m, Heartbeat):
+            self.last_hb[node] = time.monotonic()
+            self.workers[node] = {w.local: w for w in m.workers}
+            for w in m.workers:
+                if w.rank is not None and w.progress:
+                    self.progress.add(w.rank, w.progress)
+        elif isinstance(m, WorkerReport):
+            self.last_hb[node] = time.monotonic()
+            self._report(node, m.local, m.report)
+        elif isinstance(m, WorkerExited):
+            self._worker_exited(m)
+        elif isinstance(m, WorkerSuspect):
+            self.fail(node, "worker_silent", rank=m.rank, silent_s=round(m.silent_s, 3))
+        elif isinstance(m, AgentBye):
+            self._agent_gone(node, m.reason)
+
+    def _report(self, node: str, local: int, rep) -> None:
+        kind, rank, step, data = rep.kind, rep.rank, rep.step, rep.data
+        if kind == "started":
+            self.started.add(rank)
+            self.total_steps = data.get("steps") or self.total_steps
+            if self.job.state == JobState.STARTING and len(self.started) == self.topo.world:
+                self.job.set(JobState.RUNNING, since_start_s=round(time.monotonic() - self.t_start, 3))
+            if all(r in self.started for r in self.topo.slot_ranks(self.nodes.nodes[node].slot)):
+                self.nodes.set_ready(node)
+        elif kind == "standby_ready":
+            up = self.standby_up.setdefault(node, set())
+            up.add(local)
+            if len(up) == self.cfg.layout.ranks_per_node and self.nodes.nodes[node].role == Role.STANDBY:
+                self.nodes.set_ready(node, warm=bool(data.get("warm", False)))
+        elif kind == "comm_error":
+            self.log.emit("comm_error", node=node, rank=rank, step=step, group=data.get("group"),
+                          error=data.get("error"))
+        elif kind == "checkpoint":
+            if data.get("path"):
+                self.log.emit("checkpoint_saved", node=node, rank=rank, step=step,
+                              reason=data.get("reason"), save_s=round(data.get("save_s", 0), 4))
+            self._maybe_prune(step)
+        elif kind == "finished":
+            self.finished[rank] = data["digest"]
+            if len(self.finished) == self.topo.world:
+                self.stop("finished", JobState.FINISHED, code=0)
+        elif kind == "crashed":
+            self.log.emit("worker_crashed", node=node, rank=rank, error=data.get("error", "")[-1500:])
+        elif kind in ("recovery_timeout", "exiting", "stopped"):
+            self.log.emit(f"worker_{kind}", node=node, rank=rank, step=step, **data)
+        if self.swap is not None:
+            self.swap.on_report(node, kind, rank, step, data)
+        if self.recovery is not None:
+            self.recovery.on_report(node, kind, rank, step, data, rep.gen)
+        if kind == "aborted" and self.recovery is None and self._stopping is None:
+            # a rank aborted a step on its own (it saw a collective fail); who failed is decided
+            # by the detectors below, but the recovery starts collecting now
+            self._begin_recovery(rep.gen, step, data.get("t", time.time()))
+            self.recovery.on_report(node, kind, rank, step, data, rep.gen)
+
+    def _worker_exited(self, m: WorkerExited) -> None:
+        self.exited.add((m.node, m.local))
+        n = self.nodes.nodes[m.node]
+        expected = (self._stopping is not None or n.role in (Role.LEAVING, Role.RELEASED, Role.FAILED)
+                    or (m.rc == 0 and m.rank in self.finished))
+        self.log.emit("worker_exit", node=m.node, rank=m.rank, rc=m.rc, pid=m.pid, expected=expected)
+        if not expected:
+            self.fail(m.node, "worker_exit", rank=m.rank, rc=m.rc)
+
+    def _agent_gone(self, node: str, why: str) -> None:
+        if node in self._agents_gone:
+            return
+        self._agents_gone.add(node)
+        ch = self.channels.get(node)
+        if ch is not None:
+            ch.abandon()
+        n = self.nodes.nodes[node]
+        if n.role == Role.LEAVING and (self.swap is None or self.swap.state in ("switched",)):
+            self.nodes.set_role(node, Role.RELEASED, reason="evacuated")
+            self.launcher.release(node)
+            self.log.emit("node_released", node=node, why=why)
+        elif n.role in (Role.ACTIVE, Role.STANDBY, Role.JOINING, Role.LEAVING) and self._stopping is None:
+            self.fail(node, "agent_exit", why=why)
+
+    # ------------------------------------------------------------ failures
+    def injected_at(self, node: str) -> float | None:
+        p = jobdir.control_dir(self.job_dir) / f"injected-{node}.json"
+        try:
+            return float(json.loads(p.read_text())["t"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def fail(self, node: str, how: str, **detail) -> None:
+        """The one place a node is declared failed: fence it, abort the step if it held (or was
+        about to hold) ranks, and hand over to recovery."""
+        n = self.nodes.nodes.get(node)
+        if n is None or n.role in (Role.FAILED, Role.RELEASED):
+            return
+        t_detect = time.time()
+        t_fail = self.injected_at(node)
+        self.launcher.kill(node)
+        self.send(node, Fence(self.gen, how))
+        ch = self.channels.get(node)
+        if ch is not None:
+            ch.abandon()
+        involved = node in self.holder.values() or (
+            self.swap is not None and node in self.swap.plan.joiners + self.swap.plan.leavers)
+        slot = n.slot if n.role in (Role.ACTIVE, Role.LEAVING) and node in self.holder.values() else None
+        self.nodes.set_role(node, Role.FAILED, reason=how, **detail)
+        info = {"how": how, "detect_s": round(t_detect - t_fail, 4) if t_fail else None, **detail}
+        self.log.emit("failure_detected", node=node, gen=self.gen, **info)
+        if self.job.state == JobState.STARTING and involved:
+            self.stop(f"{node} failed before training started ({how})", JobState.FAILED, code=1)
+            return
+        if self._stopping is not None or not involved:
+            if self.swap is not None and node in self.swap.plan.joiners:
+                self.swap.cancel(f"joiner {node} failed ({how})")
+            return
+        if self.recovery is not None and self.recovery.state == "resumed":
+            self.recovery.finish(interrupted=True)
+        gen, step = votes.first_undecided_abort(self.store, self.gen, (self.committed_step() or -1) + 1,
+                                                f"{node} failed ({how})")
+        if self.swap is not None:
+            if gen != self.gen or self.swap.state == "switched":
+                k = self.store.get(votes.switch_key(self.swap.plan.id))
+                self.swap.on_switched(int(k))
+                slot = next((m.slot for m in self.swap.plan.moves if m.joiner == node), slot)
+                if node in self.swap.plan.leavers:
+                    slot = None          # its ranks had moved already
+                self.swap = None
+            else:
+                self.swap.cancel(f"{node} failed ({how})")
+        if slot is None and node in self.holder.values():
+            slot = self.topo.slot_of(next(r for r, h in self.holder.items() if h == node))
+        if self.recovery is None:
+            self._begin_recovery(gen, step, t_fail or t_detect)
+        elif (gen, step) != (self.recovery.gen, self.recovery.step):
+            self.recovery.gen, self.recovery.step = gen, step
+        if slot is not None:
+            self.recovery.add_failure(node, info, slot)
+        else:
+            self.recovery.failed.setdefault(node, info)
+
+    def _begin_recovery(self, gen: int, step: int, t_fail: float) -> None:
+        self.recovery = Recovery(self, gen, step, t_fail)
+        if self.job.state != JobState.RECOVERING:
+            self.job.set(JobState.RECOVERING, step=step)
+
+    def _check_liveness(self, now: float) -> None:
+        if self._stopping is not None:
+            return                     # agents are going away on purpose
+        for node, ch in list(self.channels.items()):
+            if ch.dead or node in self._agents_gone:
+                continue
+            silent = now - self.last_hb.get(node, now)
+            if silent > self.T.heartbeat_timeout_s:
+                self.fail(node, "heartbeat_timeout", silent_s=round(silent, 3))
+        for node, rc in self.launcher.poll():
+            self._agent_gone(node, f"agent process ended rc={rc}")
+
+    # ------------------------------------------------------------ requests
+    def _requests(self) -> None:
+        ok, refused = self.requests.poll()
+        for name, uid, why in refused:
+            self.log.emit("request_refused", file=name, uid=uid, why=why)
+        for r in ok:
+            self.log.emit("request", verb=r.verb, node=r.node, reason=r.reason, uid=r.uid,
+                          age_s=round(time.time() - r.t, 4), **r.extra)
+            self.handle_request(r)
+
+    def handle_request(self, r: Request) -> None:
+        if r.verb == "drain":
+            why = check_drain(self.nodes.nodes, r.node)
+            if why:
+                self.log.emit("request_rejected", node=r.node, why=why)
+                return
+            self.wanted_drains.setdefault(r.node, r)
+        elif r.verb == "checkpoint":
+            self.wanted_checkpoint = r
+        elif r.verb == "stop":
+            self.abort_and_stop(r.reason or "stop requested")
+
+    def _drive_drains(self) -> None:
+        if self.swap is not None or self.recovery is not None or self._stopping is not None:
+            return
+        if self.job.state != JobState.RUNNING or self.committed_step() is None:
+            return
+        for node, req in sorted(self.wanted_drains.items()):
+            n = self.nodes.nodes.get(node)
+            if n is None or n.role in (Role.FAILED, Role.RELEASED):
+                del self.wanted_drains[node]
+                continue
+            if n.role == Role.STANDBY:
+                del self.wanted_drains[node]
+                self.send(node, Shutdown(f"drained: {req.reason}"))
+                self.nodes.set_role(node, Role.RELEASED, reason=f"drained standby: {req.reason}")
+                self.launcher.release(node)
+                self.log.emit("node_released", node=node, why="standby drained")
+                continue
+            joiner = choose_joiner(self.nodes.nodes.values())
+            if joiner is None:
+                if node not in self.deferred_drains:
+                    self.deferred_drains.add(node)
+                    self.log.emit("drain_deferred", node=node, why="no READY standby")
+                continue
+            del self.wanted_drains[node]
+            self.deferred_drains.discard(node)
+            self.plan_seq += 1
+            plan = plan_planned(self.topo, self.plan_seq, self.gen, self.new_gen(),
+                                [Move(n.slot, node, joiner)], reason=req.reason or req.verb)
+            self.swap = PlannedSwap(self, plan, req.reason or "drain", req.t)
+            self.swap.start()
+            return
+
+    def _drive_checkpoint(self) -> None:
+        r = self.wanted_checkpoint
+        if r is None or self.swap is not None or self.recovery is not None or self._stopping:
+            return
+        self.wanted_checkpoint = None
+        exit_after = bool(r.extra.get("exit", False))
+        votes.set_pending(self.store, self.gen, checkpoint=r.reason or "requested", exit=exit_after)
+        self.log.emit("checkpoint_requested", reason=r.reason, exit=exit_after)
+        if exit_after:
+            self.stop(r.reason or "checkpoint and exit", JobState.REQUEUED, code=self.requeue_code,
+                      wait_workers=True)
+
+    def _maybe_prune(self, step) -> None:
+        root = ckpt.root(self.cfg, self.job_dir)
+        d = ckpt.step_dir(root, step)
+        if step not in self.checkpoints_done and d.exists() and not ckpt.bad_shards(d, self.topo):
+            self.checkpoints_done.add(step)
+            self.log.emit("checkpoint_complete", step=step, path=str(d))
+            gone = ckpt.prune(root, self.topo, self.cfg.checkpoint.keep)
+            if gone:
+                self.log.emit("checkpoint_pruned", steps=gone)
+
+    # ------------------------------------------------------------ stopping
+    def abort_and_stop(self, why: str) -> None:
+        votes.first_undecided_abort(self.store, self.gen, (self.committed_step() or -1) + 1, why)
+        self.stop(why, JobState.FAILED if why.startswith("unrecoverable") else JobState.FINISHED, code=1)
+
+    def stop(self, why: str, final: JobState, code: int, wait_workers: bool = False) -> None:
+        if self._stopping is not None:
+            return
+        if self.swap is not None and self.swap.state == "switched" and self.swap.joined:
+            self.swap.finish()           # the job ended inside the measuring window
+        self.job.set(JobState.STOPPING, why=why)
+        self._stopping = {"why": why, "final": final, "code": code, "wait": wait_workers,
+                          "t": time.monotonic(), "shutdown_sent": False}
+
+    def _drive_stop(self, now: float) -> None:
+        s = self._stopping
+        if s is None:
+            return
+        if s["wait"] and not s["shutdown_sent"]:
+            live = [(n, r) for r, n in self.holder.items()
+                    if self.nodes.nodes[n].role == Role.ACTIVE and n not in self._agents_gone]
+            busy = [nr for nr in live if (nr[0], self.topo.slot_ranks(self.nodes.nodes[nr[0]].slot)
+                                          .index(nr[1])) not in self.exited]
+            if busy and now - s["t"] < self.T.shutdown_s * 3:
+                return
+        if not s["shutdown_sent"]:
+            s["shutdown_sent"] = True
+            s["t_shutdown"] = now
+            self.broadcast(Shutdown(s["why"]))
+        alive = [n for n in self.channels if n not in self._agents_gone]
+        if alive and now - s["t_shutdown"] < self.T.shutdown_s + 2:
+            return
+        self.job.set(s["final"], why=s["why"])
+        self.exit_code = s["code"]
+
+    # ------------------------------------------------------------ status
+    def snapshot(self) -> dict:
+        nodes = {}
+        for name, n in sorted(self.nodes.nodes.items()):
+            ranks = sorted(r for r, h in self.holder.items() if h == name) if n.role in (
+                Role.ACTIVE, Role.LEAVING) else []
+            ws = [{"local": w.local, "pid": w.pid, "rank": w.rank, "step": w.step, "alive": w.alive}
+                  for w in self.workers.get(name, {}).values()]
+            nodes[name] = {"role": n.role.value, "ready": n.ready, "ranks": ranks, "slot": n.slot,
+                           "host": n.host, "workers": ws}
+        return {"job": self.job_id, "state": self.job.state.value, "generation": self.gen,
+                "committed_step": self.committed_step(), "nodes": nodes, "pid": os.getpid(),
+                "swap": None if self.swap is None else {"plan": self.swap.plan.id, "state": self.swap.state},
+                "recovery": None if self.recovery is None else {"state": self.recovery.state,
+                                                                 "step": self.recovery.step},
+                "interruptions": self.interruptions, "updated": time.time()}
+
+    def _write_status(self) -> None:
+        fsync_write(jobdir.status_file(self.job_dir), json.dumps(self.snapshot(), indent=1).encode())
+
+    def _write_result(self) -> None:
+        res = {"job": self.job_id, "state": self.job.state.value, "exit_code": self.exit_code,
+               "digests": {str(r): d for r, d in sorted(self.finished.items())},
+               "interruptions": self.interruptions, "steady_step_s": self.progress.steady(),
+               "losses": self.progress.losses(), "generation": self.gen}
+        fsync_write(jobdir.result_file(self.job_dir), json.dumps(res, indent=1).encode())
+
+    # ------------------------------------------------------------ loop
+    def run(self) -> int:
+        self._open()
+        try:
+            for n in sorted(self.nodes.nodes):
+                self.launcher.start(n)
+            next_ping = next_status = next_req = next_watch = 0.0
+            ping_seq = 0
+            last = time.monotonic()
+            while self.exit_code is None:
+                now = time.monotonic()
+                if now - last > 0.5:
+                    self.log.emit("controller_stall", stall_s=round(now - last, 3))
+                last = now
+                if any(jobdir.join_dir(self.job_dir).iterdir()):
+                    self._admit()
+                for node, ch in list(self.channels.items()):
+                    for m in ch.poll():
+                        self._dispatch(node, m)
+                if self.job.state == JobState.STARTING and now - self.t_start > self.T.admit_timeout_s:
+                    missing = sorted(set(self.nodes.nodes) - set(self.channels))
+                    self.log.emit("start_timeout", missing_agents=missing)
+                    self.stop(f"not every node started within {self.T.admit_timeout_s}s: {missing}",
+                              JobState.FAILED, code=1)
+                self._check_liveness(now)
+                if now >= next_req:
+                    self._requests()
+                    next_req = now + 0.05
+                if self.watcher is not None and now >= next_watch:
+                    for ev in self.watcher.poll(self):
+                        self.handle_request(ev)
+                    next_watch = now + self.cfg.slurm.poll_interval_s
+                if self.swap is not None:
+                    self.swap.tick(now)
+                if self.recovery is not None:
+                    self.recovery.tick(now)
+                self._drive_drains()
+                self._drive_checkpoint()
+                self._drive_stop(now)
+                if self.on_tick is not None:
+                    self.on_tick(self)
+                if now >= next_ping:
+                    ping_seq += 1
+                    self.broadcast(Ping(ping_seq, time.time()))
+                    next_ping = now + self.T.heartbeat_interval_s
+                if now >= next_status:
+                    self._write_status()
+                    next_status = now + 0.25
+                time.sleep(0.001)
+        except Exception:
+            import traceback
+            self.log.emit("controller_error", error=traceback.format_exc()[-3000:])
+            self.exit_code = 1
+            raise
+        finally:
+            self._write_status()
+            self._write_result()
+            self.log.emit("job_end", state=self.job.state.value, exit_code=self.exit_code)
+            self.launcher.stop_all(grace=2.0)
+            self.port.close()
+        return self.exit_code
+
+
+def default_host() -> str:
+    return socket.gethostname()

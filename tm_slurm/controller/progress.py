@@ -1,0 +1,79 @@
+"""Step progress of every rank, as the workers report it, and the figures derived from it:
+steady step time, stall of a swap, first completed step after a recovery."""
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    dur_s: float          # commit to commit (what progress looks like from outside)
+    compute_s: float      # this step's own work (step function + vote + optimizer)
+    loss: float | None
+    wall: float           # wall clock at commit
+    first: bool           # first step after the rank (re)started
+
+
+class Progress:
+    def __init__(self):
+        self.by_rank: dict[int, dict[int, StepRecord]] = defaultdict(dict)
+
+    def add(self, rank: int, entries) -> None:
+        for e in entries:
+            r = StepRecord(*e)
+            self.by_rank[rank][r.step] = r
+
+    def committed(self, rank: int) -> int | None:
+        d = self.by_rank.get(rank)
+        return max(d) if d else None
+
+    def min_committed(self, ranks) -> int | None:
+        vals = [self.committed(r) for r in ranks]
+        return None if not vals or None in vals else min(vals)
+
+    def record(self, rank: int, step: int) -> StepRecord | None:
+        return self.by_rank.get(rank, {}).get(step)
+
+    def steady(self, before: int | None = None, window: int = 20, ranks=None) -> float | None:
+        """Median over recent steps of the slowest rank's step time (steps after a restart and
+        the first two of the job excluded: they include warm-up)."""
+        ranks = list(self.by_rank) if ranks is None else list(ranks)
+        steps = sorted({s for r in ranks for s in self.by_rank.get(r, {})})
+        if before is not None:
+            steps = [s for s in steps if s < before]
+        per_step = []
+        for s in steps[2:][-window:]:
+            recs = [self.by_rank[r].get(s) for r in ranks]
+            if all(x is not None and not x.first for x in recs):
+                per_step.append(max(x.dur_s for x in recs))
+        return statistics.median(per_step) if per_step else None
+
+    def steady_between(self, lo: int, hi: int, ranks=None) -> float | None:
+        """Median over steps lo..hi (inclusive) of the slowest rank's step time."""
+        ranks = list(self.by_rank) if ranks is None else list(ranks)
+        per_step = []
+        for s in range(lo, hi + 1):
+            recs = [self.by_rank.get(r, {}).get(s) for r in ranks]
+            if all(x is not None and not x.first for x in recs):
+                per_step.append(max(x.dur_s for x in recs))
+        return statistics.median(per_step) if per_step else None
+
+    def slowest(self, step: int, ranks) -> StepRecord | None:
+        recs = [self.record(r, step) for r in ranks]
+        if any(x is None for x in recs):
+            return None
+        return max(recs, key=lambda x: x.dur_s)
+
+    def all_at(self, step: int, ranks) -> bool:
+        return all(self.record(r, step) is not None for r in ranks)
+
+    def losses(self) -> dict[int, float]:
+        out = {}
+        for recs in self.by_rank.values():
+            for s, r in recs.items():
+                if r.loss is not None:
+                    out[s] = r.loss
+        return dict(sorted(out.items()))

@@ -1,0 +1,183 @@
+"""`tm-slurm demo`: the one-command tour.
+
+Runs the example job (sbatch/gpt_example.py, DP=2 x PP=2) locally twice through the real CLI:
+once undisturbed, once with a node drained (planned) and/or killed (unplanned) mid-run, then
+prints the timeline of what happened and checks that both runs end bit-identical.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import events as evlog
+from . import jobdir
+
+SBATCH = Path(__file__).resolve().parent.parent / "sbatch"
+
+
+def example_paths() -> tuple[Path, Path]:
+    """The example job and its config, next to the job scripts in the source tree."""
+    script, cfg = SBATCH / "gpt_example.py", SBATCH / "example.yaml"
+    if not script.exists():
+        raise SystemExit(f"the example job is not at {script}: run the demo from a source checkout "
+                         "(pip install -e .)")
+    return script, cfg
+
+
+class JobRun:
+    """One `tm-slurm run --local` of the example, with actions injected at given steps."""
+
+    def __init__(self, job_dir: Path, local: str, steps: int, actions: list[tuple[int, str, str]],
+                 extra_args: list[str] = (), script_args: list[str] = (), config: Path | None = None,
+                 sets: list[str] = ()):
+        script, cfg = example_paths()
+        self.job_dir, self.actions = job_dir, sorted(actions)
+        self.argv = [sys.executable, "-m", "tm_slurm", "run", "--local", local, "--config",
+                     str(config or cfg), "--job-dir", str(job_dir), *extra_args]
+        for s in sets:
+            self.argv += ["--set", s]
+        self.argv += ["--", sys.executable, str(script), "--steps", str(steps), *script_args]
+        self.done: list[dict] = []
+
+    def run(self, timeout: float) -> int:
+        self.job_dir.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.job_dir.parent / f"{self.job_dir.name}.out", "w")
+        proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
+        end = time.monotonic() + timeout
+        pending = list(self.actions)
+        try:
+            while proc.poll() is None:
+                if time.monotonic() > end:
+                    proc.kill()
+                    raise TimeoutError(f"job {self.job_dir} did not finish within {timeout}s")
+                if pending:
+                    step, warm = _progress(self.job_dir)
+                    if step is not None and step >= pending[0][0] and warm:
+                        at, verb, node = pending.pop(0)
+                        self._act(verb, node, step)
+                time.sleep(0.02)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            log.close()
+        return proc.returncode
+
+    def _act(self, verb: str, node: str, step: int) -> None:
+        base = [sys.executable, "-m", "tm_slurm"]
+        if verb == "drain":
+            cmd = base + ["drain", node, "--job", str(self.job_dir), "--reason", "demo: maintenance"]
+        else:
+            cmd = base + ["fail", node, "--mode", verb, "--job", str(self.job_dir)]
+        subprocess.run(cmd, check=True, capture_output=True)
+        self.done.append({"verb": verb, "node": node, "at_step": step, "t": time.time()})
+
+    def result(self) -> dict:
+        return json.loads(jobdir.result_file(self.job_dir).read_text())
+
+
+def _progress(job: Path) -> tuple[int | None, bool]:
+    """(committed step, every standby ready): events are injected once standbys are warm, as
+    they would be long before a maintenance drain on a real cluster."""
+    try:
+        st = json.loads(jobdir.status_file(job).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None, False
+    warm = all(n["ready"] for n in st["nodes"].values() if n["role"] == "STANDBY")
+    return st.get("committed_step"), warm
+
+
+def scenario_actions(scenario: str, steps: int) -> tuple[str, list[tuple[int, str, str]]]:
+    """(--local spec, [(at step, action, node)]). node2 holds rank 1 (first stage, dp 1); node4
+    holds rank 3 (last stage, dp 1)."""
+    a, b = max(3, steps // 3), max(6, (2 * steps) // 3)
+    if scenario == "planned":
+        return "4+1", [(a, "drain", "node2")]
+    if scenario == "unplanned":
+        return "4+1", [(a, "kill", "node4")]
+    return "4+2", [(a, "drain", "node2"), (b, "kill", "node4")]
+
+
+def timeline(job: Path) -> list[str]:
+    keep = {"job_state", "swap_planned", "phase1_done", "switch", "swap_complete", "node_released",
+            "failure_detected", "recovery_planned", "recovery_complete", "swap_cancelled",
+            "checkpoint_exit", "standbys_exhausted", "node_ready"}
+    recs = [e for e in evlog.read(jobdir.events_file(job)) if e["kind"] in keep]
+    if not recs:
+        return []
+    t0 = recs[0]["ts"]
+    out = []
+    for e in recs:
+        k = e["kind"]
+        what = {
+            "job_state": lambda: f"job {e['prev']} -> {e['state']}",
+            "node_ready": lambda: f"{e['node']} ready ({e['role']})",
+            "swap_planned": lambda: f"drain {e['node']}: plan {e['plan']}, joiner {e['joiner']}, rebuild "
+                                    f"{len(e['groups_rebuilt'])} groups, keep {len(e['groups_kept'])}",
+            "phase1_done": lambda: f"phase 1 done in {e['phase1_s']:.3f}s (training went on)",
+            "switch": lambda: f"switch at the boundary after step {e['step']}",
+            "swap_complete": lambda: (f"swap complete: stall {e['stall_s']}s, state {e['state_bytes'] / 1e6:.1f} MB "
+                                      f"in {e['phases']['transfer_s']}s, groups rebuilt {e['groups_rebuilt']} "
+                                      f"/ kept {e['groups_kept']}"),
+            "node_released": lambda: f"{e['node']} released ({e['why']})",
+            "failure_detected": lambda: f"{e['node']} FAILED: {e['how']} (detected {e.get('detect_s')}s after)",
+            "recovery_planned": lambda: f"recovery plan {e['plan']}: moves {e['moves']}, donors {e['donors']}"
+                                        + (f", fallback {e['fallback']}" if e.get("fallback") else ""),
+            "recovery_complete": lambda: (f"recovered: stall {e['stall_s']}s, lost {e['lost_steps']} step(s), "
+                                          f"groups rebuilt {e['groups_rebuilt']} / kept {e['groups_kept']}"),
+        }.get(k, lambda: k)()
+        out.append(f"  +{e['ts'] - t0:7.2f}s  {what}")
+    return out
+
+
+def compare(ref: dict, run: dict) -> tuple[bool, list[str]]:
+    a, b = ref.get("digests", {}), run.get("digests", {})
+    if not a or set(a) != set(b):
+        return False, [f"ranks finished: reference {sorted(a)}, run {sorted(b)}"]
+    diff = [r for r in a if a[r] != b[r]]
+    return not diff, [f"rank {r}: {a[r][:12]} != {b[r][:12]}" for r in diff]
+
+
+def main(args) -> int:
+    steps = args.steps
+    root = Path.cwd() / "tm_slurm_jobs" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    local, actions = scenario_actions(args.scenario, steps)
+    extra = ["--compile"] if args.compile else []
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    say(f"tm-slurm demo: example GPT, DP=2 x PP=2, {steps} steps; reference run, then a run with "
+        f"{', '.join(f'{v} {n} at step {s}' for s, v, n in actions)}  ({root})")
+    timeout = 600 + (900 if args.compile else 0)
+    ref = JobRun(root / "reference", "4+0", steps, [], script_args=extra, sets=["standby.count=0"])
+    rc_ref = ref.run(timeout)
+    say(f"  reference run finished (exit {rc_ref})")
+    run = JobRun(root / "run", local, steps, actions, script_args=extra)
+    rc = run.run(timeout)
+    say(f"  run with interruptions finished (exit {rc})")
+    if rc_ref != 0 or rc != 0:
+        say(f"  a run failed; see {root}/*.out and the job directories")
+        return 1
+    r_ref, r_run = ref.result(), run.result()
+    same, diffs = compare(r_ref, r_run)
+    out = {"events": r_run["interruptions"], "bitwise_identical": same, "steps": steps,
+           "steady_step_s": r_run.get("steady_step_s"), "reference_steady_step_s": r_ref.get("steady_step_s"),
+           "injected": run.done, "job_dir": str(run.job_dir), "reference_job_dir": str(ref.job_dir),
+           "final_loss": list(r_run["losses"].values())[-1] if r_run["losses"] else None}
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print("timeline:")
+        print("\n".join(timeline(run.job_dir)))
+        for e in out["events"]:
+            ph = e.get("phases", {})
+            print(f"{e['kind']} on {e['node']}: stall {e['stall_s']}s"
+                  + (f", detected in {e['detect_s']}s, lost {e['lost_steps']} step(s)" if e["kind"] == "unplanned" else
+                     f", phase 1 {ph.get('phase1_s')}s in the background")
+                  + f", {e['state_bytes'] / 1e6:.1f} MB of state moved, groups rebuilt {e['groups_rebuilt']} / kept "
+                    f"{e['groups_kept']}")
+        print(f"steady step {out['steady_step_s']:.3f}s; final loss {out['final_loss']:.4f}")
+        print(f"bitwise identical to the undisturbed run: {same}" + ("" if same else f" {diffs}"))
+        print(f"events: {run.job_dir / 'events.jsonl'}")
+    return 0 if same else 1

@@ -1,0 +1,127 @@
+"""Pure decisions: which standby replaces which node, what a swap rebuilds, where state comes from,
+when phase 1 is done, what to do without standbys. Plain functions of state, no side effects;
+the controller executes what they return.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+from .messages import GroupBuild, Move, SwapPlan, Transfer
+from .roles import Node, Role
+from .topology import Topology
+
+
+class PlanError(ValueError):
+    pass
+
+
+def choose_joiner(nodes: Iterable[Node], exclude: Iterable[str] = ()) -> str | None:
+    """A READY standby, the same one for the same state (sorted by name): any standby can take any
+    role (general standby), so there is nothing smarter to pick by here."""
+    ex = set(exclude)
+    ready = sorted(n.name for n in nodes if n.role == Role.STANDBY and n.ready and n.name not in ex)
+    return ready[0] if ready else None
+
+
+def check_drain(nodes: Mapping[str, Node], name: str) -> str | None:
+    """Why `name` cannot be drained right now (None: it can)."""
+    n = nodes.get(name)
+    if n is None:
+        return f"unknown node {name!r}; nodes of this job: {', '.join(sorted(nodes))}"
+    if n.role == Role.STANDBY:
+        return None    # a standby is released directly, nothing to migrate
+    if n.role != Role.ACTIVE:
+        return f"node {name} is {n.role.value}, not ACTIVE"
+    return None
+
+
+def _prefix(plan_id: int, what: str) -> str:
+    return f"p{plan_id}/{what}"
+
+
+def plan_planned(topo: Topology, plan_id: int, gen: int, gen_to: int, moves: list[Move],
+                 reason: str = "") -> SwapPlan:
+    """Planned migration of one or more slots: rebuild exactly the groups that contain a moving
+    rank; each leaver sends its own state to its joiner."""
+    ranks = tuple(r for m in moves for r in topo.slot_ranks(m.slot))
+    rebuilt, kept = topo.delta(ranks)
+    return SwapPlan(
+        id=plan_id, kind="planned", gen_from=gen, gen_to=gen_to, moves=tuple(moves), ranks=ranks,
+        builds=tuple(GroupBuild(g.id, g.members, _prefix(plan_id, g.id)) for g in rebuilt),
+        kept=tuple(g.id for g in kept),
+        transfers=tuple(Transfer(r, r, _prefix(plan_id, f"xfer{r}")) for r in ranks),
+        reason=reason)
+
+
+def donors(topo: Topology, moving: Iterable[int], alive: Iterable[int]) -> dict[int, int | None]:
+    """For each moving rank, a live DP replica (same stage and tp shard) not itself moving."""
+    mv, al = set(moving), set(alive)
+    return {r: next((x for x in topo.replicas(r) if x in al and x not in mv), None) for r in sorted(mv)}
+
+
+def plan_recovery(topo: Topology, plan_id: int, gen: int, gen_to: int, moves: list[Move],
+                  alive: Iterable[int],
+                  broken: Iterable[str], resume_step: int,
+                  checkpoint: tuple[int, str] | None = None, reason: str = "") -> SwapPlan:
+    """After a failure: joiners take the failed slots; groups with a moving rank, and groups a
+    survivor saw break, are rebuilt; state comes from a DP replica. Without a replica for every
+    moving rank, everyone loads `checkpoint` (PlanError if there is none)."""
+    ranks = tuple(r for m in moves for r in topo.slot_ranks(m.slot))
+    rebuilt, _ = topo.delta(ranks)
+    ids = {g.id for g in rebuilt} | set(broken)
+    unknown = ids - set(topo.group_by_id)
+    if unknown:
+        raise PlanError(f"unknown groups reported broken: {sorted(unknown)}")
+    groups = [g for g in topo.groups if g.id in ids]
+    d = donors(topo, ranks, alive)
+    missing = [r for r, x in d.items() if x is None]
+    ckpt_path = None
+    transfers: tuple[Transfer, ...] = ()
+    if missing:
+        if checkpoint is None:
+            raise PlanError(f"no live replica holds the state of ranks {missing} and there is no "
+                            "valid checkpoint")
+        resume_step, ckpt_path = checkpoint
+    else:
+        transfers = tuple(Transfer(r, d[r], _prefix(plan_id, f"xfer{r}")) for r in ranks)
+    return SwapPlan(
+        id=plan_id, kind="unplanned", gen_from=gen, gen_to=gen_to, moves=tuple(moves), ranks=ranks,
+        builds=tuple(GroupBuild(g.id, g.members, _prefix(plan_id, g.id)) for g in groups),
+        kept=tuple(g.id for g in topo.groups if g.id not in ids),
+        transfers=transfers, resume_step=resume_step, checkpoint=ckpt_path, reason=reason)
+
+
+def initial_builds(topo: Topology) -> tuple[GroupBuild, ...]:
+    return tuple(GroupBuild(g.id, g.members, f"g0/{g.id}") for g in topo.groups)
+
+
+def ready_needed(topo: Topology, plan: SwapPlan, holder: Mapping[int, str]) -> frozenset[tuple[str, int]]:
+    """`holder[rank]` is the node holding each rank now. Stayers that are members of a rebuilt
+    group, every leaver rank (its transfer link) and every joiner rank must be ready."""
+    moving = set(plan.ranks)
+    need = {(holder[r], r) for b in plan.builds for r in b.members if r not in moving}
+    for m in plan.moves:
+        for r in topo.slot_ranks(m.slot):
+            need.add((m.leaver, r))
+            need.add((m.joiner, r))
+    return frozenset(need)
+
+
+def recovery_needed(topo: Topology, plan: SwapPlan, holder: Mapping[int, str]) -> frozenset[tuple[str, int]]:
+    """Recovery: every surviving rank takes part (it must at least learn the new generation),
+    and each joiner for the ranks of its slot."""
+    moving = set(plan.ranks)
+    need = {(n, r) for r, n in holder.items() if r not in moving}
+    for m in plan.moves:
+        need |= {(m.joiner, r) for r in topo.slot_ranks(m.slot)}
+    return frozenset(need)
+
+
+def exhausted_action(policy: str, waited_s: float, wait_s: float, dp: int) -> str:
+    """No READY standby for a failed or draining slot: "wait" (for one to become ready),
+    "shrink" or "checkpoint_exit"."""
+    if policy == "wait":
+        return "wait" if waited_s < wait_s else "checkpoint_exit"
+    if policy == "shrink" and dp > 1:
+        return "shrink"
+    return "checkpoint_exit"

@@ -1,0 +1,57 @@
+"""`Context`: what the user's build and step functions see of their rank and its groups."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..comm.handles import Comm, GroupTable, PipeComm
+from ..topology import Topology
+
+
+@dataclass
+class Context:
+    """`dp`, `pp` and `tp` stay the same objects for the whole run; the groups behind them change
+    at swaps. `sandbox` is True while a standby rehearses (its collectives are mocked)."""
+    rank: int
+    world: int
+    dp_rank: int
+    dp_size: int
+    pp_rank: int
+    pp_size: int
+    tp_rank: int
+    tp_size: int
+    role: str                 # first | middle | last | only
+    device: torch.device
+    dp: Comm
+    pp: PipeComm
+    tp: Comm
+    seed: int
+    sandbox: bool = False
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def make_context(topo: Topology, rank: int, table: GroupTable, device: torch.device, seed: int,
+                 sandbox: bool = False) -> Context:
+    c = topo.coord(rank)
+    lay = topo.layout
+    ids = {g.kind: g.id for g in topo.groups_of(rank) if g.kind in ("dp", "tp")}
+    prev_id = next_id = None
+    for g in topo.groups_of(rank):
+        if g.kind == "pp":
+            if g.members[1] == rank:
+                prev_id = g.id
+            else:
+                next_id = g.id
+    return Context(
+        rank=rank, world=lay.world, dp_rank=c.dp, dp_size=lay.dp, pp_rank=c.pp, pp_size=lay.pp,
+        tp_rank=c.tp, tp_size=lay.tp, role=topo.role(rank).name, device=device,
+        dp=Comm(table, ids.get("dp"), lay.dp, c.dp), pp=PipeComm(table, prev_id, next_id),
+        tp=Comm(table, ids.get("tp"), lay.tp, c.tp), seed=seed, sandbox=sandbox)

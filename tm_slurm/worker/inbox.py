@@ -1,0 +1,83 @@
+"""The worker's link to its agent: a reader thread sorting the agent's messages into queues, and
+a heartbeat thread reporting progress. A closed link means the agent (so the node's control) is
+gone, and the worker exits at once."""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from typing import Callable
+
+from ..control.wire import Wire
+from ..messages import (CancelPlan, Checkpoint, Prepare, Recover, Report, Resume, Stop,
+                        WriteCheckpoint)
+
+EXIT_AGENT_GONE = 70
+
+
+class Inbox:
+    def __init__(self, wire: Wire, node: str, on_prepare: Callable[[Prepare], None]):
+        self.wire, self.node = wire, node
+        self.on_prepare = on_prepare
+        self.plans: dict = {}
+        self.cancelled: set[int] = set()
+        self.assignments: queue.Queue = queue.Queue()   # for a standby: plans naming its node
+        self.recoveries: queue.Queue = queue.Queue()    # for an active rank after an abort
+        self.stop_reason: str | None = None
+        self.lost_controller: str | None = None
+        self.promoted = False
+        self._progress: list = []
+        self._plock = threading.Lock()
+
+    def start(self, hb_interval: float, status: Callable[[], tuple]) -> None:
+        threading.Thread(target=self._read, name="tm-inbox", daemon=True).start()
+        threading.Thread(target=self._beat, args=(hb_interval, status), name="tm-heartbeat",
+                         daemon=True).start()
+
+    def send(self, report: Report) -> None:
+        if not self.wire.send(report):
+            os._exit(EXIT_AGENT_GONE)
+
+    def progress(self, entry: tuple) -> None:
+        with self._plock:
+            self._progress.append(entry)
+
+    def _both(self, msg) -> None:
+        self.assignments.put(msg)
+        self.recoveries.put(msg)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.wire.recv()
+            except (EOFError, OSError):
+                os._exit(EXIT_AGENT_GONE)
+            if isinstance(msg, (Prepare, Recover)):
+                self.plans[msg.plan.id] = msg.plan
+                joiner = self.node in msg.plan.joiners and not self.promoted
+                if isinstance(msg, Prepare) and not joiner:
+                    self.on_prepare(msg)
+                else:
+                    (self.assignments if joiner else self.recoveries).put(msg)
+            elif isinstance(msg, CancelPlan):
+                self.cancelled.add(msg.plan_id)
+                self._both(msg)
+            elif isinstance(msg, Resume):
+                self._both(msg)
+            elif isinstance(msg, WriteCheckpoint):
+                self.recoveries.put(msg)
+            elif isinstance(msg, Checkpoint):
+                self.lost_controller = msg.reason
+                self._both(msg)
+            elif isinstance(msg, Stop):
+                self.stop_reason = msg.reason
+                self._both(msg)
+
+    def _beat(self, interval: float, status: Callable[[], tuple]) -> None:
+        while True:
+            time.sleep(interval)
+            with self._plock:
+                prog, self._progress = self._progress, []
+            gen, rank, step, committed = status()
+            self.send(Report("hb", gen, rank, step, {"committed": committed, "progress": prog}))
