@@ -55,8 +55,6 @@ class Agent:
         self.launch: Launch | None = None
         self.seq = 0
         self.last_ctl = time.monotonic()
-        self.stopping = False
-        self.controller_lost_at: float | None = None
 
     # ------------------------------------------------------------ connect
     def connect(self) -> mpictl.Channel:
@@ -72,16 +70,19 @@ class Agent:
         join = paths.join_dir(self.job_dir) / self.node
         join.write_text(str(os.getpid()))
         ch = mpictl.connect(port)
-        ch.send(Hello(self.node, socket.gethostname(), os.getpid(), os.getpgid(0)))
+        ch.send(Hello(self.node, socket.gethostname(), os.getpid(), os.getpgid(0),
+                      os.environ.get("SLURM_STEP_ID")))
         return ch
 
     # ------------------------------------------------------------ workers
-    def spawn(self, launch: Launch) -> None:
+    def configure(self, launch: Launch) -> None:
         self.launch = launch
         t = launch.config["timeouts"]
         self.worker_timeout = t["worker_heartbeat_timeout_s"]
         self.controller_timeout = t["controller_timeout_s"]
         self.shutdown_s = t["shutdown_s"]
+
+    def spawn(self, launch: Launch) -> None:
         logs = paths.log_dir(self.job_dir)
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("PMI_", "MPIR_", "HYDRA_", "MPI_", mpictl.MPI_ENV))}
@@ -102,9 +103,15 @@ class Agent:
             w.wire.send(Assign(launch, self.node, i))
 
     def to_workers(self, payload) -> None:
+        if not self.workers and self.launch is not None and self._names_us(payload):
+            self.spawn(self.launch)      # a cold standby: its workers start now, when needed
         for w in self.workers.values():
             if not w.done:
                 w.wire.send(payload)
+
+    def _names_us(self, payload) -> bool:
+        plan = getattr(payload, "plan", None)
+        return plan is not None and self.node in plan.joiners
 
     def kill_workers(self, sig=signal.SIGKILL) -> None:
         for w in self.workers.values():
@@ -189,16 +196,14 @@ class Agent:
             if now >= next_hb:
                 self.heartbeat(ch)
                 next_hb = now + self.hb_interval
-            if now - self.last_ctl > self.controller_timeout:
+            if now - self.last_ctl > self.controller_timeout or ch.broken:
                 return self.controller_lost(ch)
-            if self.stopping and all(w.done for w in self.workers.values()):
-                ch.send(AgentBye(self.node, "workers done"))
-                self._flush(ch)
-                return 0
 
     def handle(self, ch, m) -> int | None:
         if isinstance(m, Launch):
-            self.spawn(m)
+            self.configure(m)
+            if m.role == "ACTIVE" or m.config["standby"]["prestart"]:
+                self.spawn(m)            # else a cold standby: no process until a plan names it
         elif isinstance(m, ToWorkers):
             self.to_workers(m.payload)
         elif isinstance(m, Fence):
@@ -226,16 +231,41 @@ class Agent:
 
     def controller_lost(self, ch) -> int:
         """The controller (and its batch host) is gone: the surviving workers write a checkpoint of
-        the last committed step, then this step ends with a status that requeues the job."""
+        the last committed step (worker/lost.py), then the job ends so that it requeues, never
+        a headless job holding the allocation. The survivor agent with the lowest node name
+        requeues it once every survivor is done."""
         ch.abandon()
         print(f"agent {self.node}: controller silent for {self.controller_timeout}s; "
-              "checkpointing and ending", file=sys.stderr, flush=True)
-        self.to_workers(Checkpoint(-1, "controller lost", exit_after=True))
+              "checkpointing and ending the job", file=sys.stderr, flush=True)
+        d = paths.control_dir(self.job_dir) / "lost"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"agent-{self.node}.alive").write_text(str(os.getpid()))
+        self.to_workers(Checkpoint("controller lost"))
         end = time.monotonic() + self.shutdown_s * 3
         while time.monotonic() < end and any(w.proc.poll() is None for w in self.workers.values()):
             time.sleep(0.05)
         self.kill_workers()
+        (d / f"agent-{self.node}.done").write_text("")
+        time.sleep(1.0)                  # let the other survivors announce themselves
+        alive = sorted(p.name[6:-6] for p in d.glob("agent-*.alive"))
+        if alive and alive[0] == self.node:
+            end = time.monotonic() + self.shutdown_s * 3
+            while time.monotonic() < end and not all((d / f"agent-{n}.done").exists() for n in alive):
+                time.sleep(0.1)
+            self._end_job()
         return EXIT_CONTROLLER_LOST
+
+    def _end_job(self) -> None:
+        job = os.environ.get("SLURM_JOB_ID")
+        if not job:
+            return                      # local mode: nothing holds an allocation
+        requeue = self.launch is None or self.launch.config["slurm"]["requeue_on_exit"]
+        cmd = ["scontrol", "requeue", job] if requeue else ["scancel", job]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        if r.returncode != 0 and requeue:
+            subprocess.run(["scancel", job], capture_output=True, timeout=30)
+        print(f"agent {self.node}: {' '.join(cmd)} -> {r.returncode} {r.stderr.strip()}",
+              file=sys.stderr, flush=True)
 
     def _flush(self, ch, timeout: float = 2.0) -> None:
         end = time.monotonic() + timeout

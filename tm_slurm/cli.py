@@ -12,6 +12,8 @@ from . import config as cfgmod
 from . import jobdir
 
 JOBS_ROOT = "tm_slurm_jobs"
+# c10d's C++ warnings (a store client's hostname, wait timeouts) are noise in every process
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
 # ---------------------------------------------------------------- shared helpers
@@ -138,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ranks-per-node", type=int, dest="ranks_per_node")
     r.add_argument("--job-dir", help="default: ./tm_slurm_jobs/<job id>")
     r.add_argument("--job-id", help="default: the Slurm job id, or local-<time>")
+    r.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT_DIR",
+                   help="start from a checkpoint: a step directory, or the newest valid one in the "
+                        "job's checkpoint directory (default under Slurm when SLURM_RESTART_COUNT > 0)")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
     r.set_defaults(fn=cmd_run)
 
@@ -180,10 +185,19 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--steps", type=int, default=40)
     m.add_argument("--compile", action="store_true", help="torch.compile the example model")
     m.set_defaults(fn=cmd_demo)
+
+    from .minicluster.cli import add_parser as add_minicluster
+    from .sim import add_parser as add_sim
+    add_sim(sub)
+    add_minicluster(sub)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    import faulthandler
+    import signal
+    faulthandler.enable()                                      # a crash leaves a traceback
+    faulthandler.register(signal.SIGUSR2, all_threads=True)    # `kill -USR2 PID`: where is it stuck?
     args = build_parser().parse_args(argv)
     if getattr(args, "command", None) and args.command[:1] == ["--"]:
         args.command = args.command[1:]

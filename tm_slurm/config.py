@@ -75,6 +75,8 @@ class Timeouts:
 @dataclass(frozen=True)
 class Standby:
     count: int = 1                          # nodes of the allocation kept as standbys
+    prestart: bool = True                   # start standby workers at once (false: a cold joiner
+                                            # process is started only when it is needed)
     sandbox: bool = True                    # warm standbys up with shadow iterations (no comm)
     sandbox_steps: int = 2                  # shadow iterations per rehearsed role
     when_exhausted: str = "checkpoint_exit"  # wait | shrink | checkpoint_exit

@@ -7,6 +7,8 @@ prints the timeline of what happened and checks that both runs end bit-identical
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,13 +30,14 @@ def example_paths() -> tuple[Path, Path]:
 
 
 class JobRun:
-    """One `tm-slurm run --local` of the example, with actions injected at given steps."""
+    """One `tm-slurm run --local` of the example, with actions injected when a step is reached
+    (an int, once every standby is warm) or when an event kind first appears in the log (a str)."""
 
-    def __init__(self, job_dir: Path, local: str, steps: int, actions: list[tuple[int, str, str]],
+    def __init__(self, job_dir: Path, local: str, steps: int, actions: list[tuple[int | str, str, str]],
                  extra_args: list[str] = (), script_args: list[str] = (), config: Path | None = None,
                  sets: list[str] = ()):
         script, cfg = example_paths()
-        self.job_dir, self.actions = job_dir, sorted(actions)
+        self.job_dir, self.actions = job_dir, list(actions)
         self.argv = [sys.executable, "-m", "tm_slurm", "run", "--local", local, "--config",
                      str(config or cfg), "--job-dir", str(job_dir), *extra_args]
         for s in sets:
@@ -51,12 +54,15 @@ class JobRun:
         try:
             while proc.poll() is None:
                 if time.monotonic() > end:
+                    self._dump_stacks()
                     proc.kill()
                     raise TimeoutError(f"job {self.job_dir} did not finish within {timeout}s")
                 if pending:
                     step, warm = _progress(self.job_dir)
-                    if step is not None and step >= pending[0][0] and warm:
-                        at, verb, node = pending.pop(0)
+                    at = pending[0][0]
+                    if (isinstance(at, str) and _seen(self.job_dir, at)) or (
+                            isinstance(at, int) and step is not None and step >= at and warm):
+                        _, verb, node = pending.pop(0)
                         self._act(verb, node, step)
                 time.sleep(0.02)
         finally:
@@ -66,8 +72,21 @@ class JobRun:
             log.close()
         return proc.returncode
 
-    def _act(self, verb: str, node: str, step: int) -> None:
+    def _dump_stacks(self) -> None:
+        """A stuck job: ask the controller for its thread stacks (into the run's .out file)."""
+        try:
+            pid = json.loads(jobdir.status_file(self.job_dir).read_text())["pid"]
+            os.kill(pid, signal.SIGUSR2)
+            time.sleep(1.0)
+        except (OSError, ValueError, KeyError):
+            pass
+
+    def _act(self, verb, node: str, step: int) -> None:
         base = [sys.executable, "-m", "tm_slurm"]
+        if callable(verb):                      # tests: anything else (e.g. corrupt a file)
+            verb(self.job_dir)
+            self.done.append({"verb": verb.__name__, "node": node, "at_step": step, "t": time.time()})
+            return
         if verb == "drain":
             cmd = base + ["drain", node, "--job", str(self.job_dir), "--reason", "demo: maintenance"]
         else:
@@ -77,6 +96,10 @@ class JobRun:
 
     def result(self) -> dict:
         return json.loads(jobdir.result_file(self.job_dir).read_text())
+
+
+def _seen(job: Path, kind: str) -> bool:
+    return any(e["kind"] == kind for e in evlog.read(jobdir.events_file(job)))
 
 
 def _progress(job: Path) -> tuple[int | None, bool]:

@@ -115,6 +115,7 @@ class Hello:
     host: str
     pid: int
     pgid: int
+    step: str | None = None        # the agent's Slurm step id (fencing through slurmctld)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,10 @@ class GroupTable:
             self.broken -= set(new)
         return old
 
+    def identities(self) -> dict[str, int]:
+        """Object identity of each installed group (tests check kept groups keep theirs)."""
+        return {gid: id(g.pg) for gid, g in self.groups.items()}
+
     def drop(self, ids: Iterable[str]) -> list[Group]:
         with self._lock:
             return [self.groups.pop(i) for i in list(ids) if i in self.groups]

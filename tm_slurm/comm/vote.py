@@ -84,20 +84,25 @@ def vote(store, gen: int, step: int, world: int, ok: bool, timeout: float) -> De
     return Decision.decode(store.get(dkey(gen, step)))
 
 
-def first_undecided_abort(store, gen: int, from_step: int, why: str,
-                          limit: int = 1000) -> tuple[int, int]:
-    """Controller: abort the in-flight step (the first one without a decision), following a
-    committed switch into the next generation. Steps are decided in order, so the first
-    compare_set that lands is the in-flight step. Returns (gen, step) of the aborted step."""
-    step = max(from_step, 0)
-    for _ in range(limit):
+def abort_in_flight(store, gen: int, lo: int, hi: int, why: str) -> tuple[int, int]:
+    """Controller: make sure no step in flight can commit. Aborts every undecided step lo..hi
+    of `gen`, following a committed switch into the next generation (a generation's steps do
+    not start at a known number, so the range is what the ranks report they are working on,
+    plus one). Steps are decided in order, so once one is aborted nothing after it can commit;
+    aborting steps nobody reaches is harmless (a recovery always moves to a new generation).
+    Returns (generation, first aborted step) where the ranks are."""
+    first = None
+    step = max(lo, 0)
+    while step <= max(hi, lo):
         d = abort(store, gen, step, why)
-        if not d.commit:
-            return gen, step
-        if d.switch is not None:
-            gen = d.gen_to
+        if d.commit:
+            if d.switch is not None:
+                gen, first = d.gen_to, None
+                hi = max(hi, step + 1)
+        elif first is None:
+            first = step
         step += 1
-    raise RuntimeError(f"could not abort generation {gen}: {limit} steps committed past {from_step}")
+    return gen, first if first is not None else step
 
 
 def set_pending(store, gen: int, *, plan_id: int | None = None, gen_to: int | None = None,

@@ -14,7 +14,10 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +68,8 @@ def mpi_env(env: dict[str, str] | None = None) -> dict[str, str]:
     # agents connected at once; ch4:ofi with the tcp provider did not, in every run here
     e.setdefault("MPIR_CVAR_CH4_NETMOD", "ofi")
     e.setdefault("FI_PROVIDER", "tcp")
+    # ~1 s of retries (~45 us each here) before a send to a dead peer fails instead of hanging
+    e.setdefault("MPIR_CVAR_CH4_OFI_MAX_EAGAIN_RETRY", "20000")
     e.setdefault("MPIR_CVAR_CH4_COMM_CONNECT_TIMEOUT", "10")  # an agent dying mid-join: bounded Accept
     return e
 
@@ -86,6 +91,13 @@ class Channel:
         self.comm = comm
         self._pending: list = []
         self.dead = False
+        self.broken = False          # a send failed: the peer is gone (or unreachable)
+        # a send to a dead peer retries forever inside MPI (ofi: -FI_EAGAIN); with this hint and
+        # MPIR_CVAR_CH4_OFI_MAX_EAGAIN_RETRY it fails instead, and the link is marked dead
+        info = mpi().Info.Create()
+        info.Set("MPI_OFI_set_eagain", "true")
+        comm.Set_info(info)
+        info.Free()
 
     def send(self, msg: Any) -> None:
         if self.dead:
@@ -93,7 +105,12 @@ class Channel:
         MPI = mpi()
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         buf = bytearray(data)
-        req = self.comm.Isend([buf, MPI.BYTE], dest=0, tag=self.TAG)
+        try:
+            req = self.comm.Isend([buf, MPI.BYTE], dest=0, tag=self.TAG)
+        except MPI.Exception:
+            self.broken = True
+            self.abandon()
+            return
         self._pending.append((req, buf))
         self._reap()
 
@@ -156,9 +173,21 @@ class Port:
         tmp.write_text(self.name)
         os.replace(tmp, path)
 
-    def accept(self) -> Channel:
+    def accept(self, knock_after: float = 5.0) -> Channel:
+        """Accept one announced Connect. MPI_Comm_accept has no timeout: if the announced agent
+        died before connecting, a watchdog connects a throw-away process to our own port after
+        `knock_after` seconds so the controller is never stuck here (its link sends no Hello
+        and is dropped by the caller)."""
         MPI = mpi()
-        comm = MPI.COMM_SELF.Accept(self.name)
+        done = threading.Event()
+        watchdog = threading.Timer(knock_after, lambda: None if done.is_set() else _knock(self.name))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            comm = MPI.COMM_SELF.Accept(self.name)
+        finally:
+            done.set()
+            watchdog.cancel()
         comm.Set_errhandler(MPI.ERRORS_RETURN)
         return Channel(comm)
 
@@ -169,8 +198,30 @@ class Port:
             pass
 
 
-def connect(port_name: str) -> Channel:
+def _knock(port_name: str) -> None:
+    subprocess.Popen(mpiexec_argv([sys.executable, "-m", "tm_slurm.control.mpi", "knock", port_name]),
+                     env=mpi_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def connect(port_name: str, timeout: float = 60.0) -> Channel:
+    """Connect to the controller's port; a Connect that gave up (EAGAIN while the controller
+    was busy) is simply tried again."""
     MPI = mpi()
-    comm = MPI.COMM_SELF.Connect(port_name)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            comm = MPI.COMM_SELF.Connect(port_name)
+            break
+        except MPI.Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
     comm.Set_errhandler(MPI.ERRORS_RETURN)
     return Channel(comm)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["knock"]:
+    ch = connect(sys.argv[2], timeout=10)
+    ch.close()
+    os._exit(0)

@@ -89,6 +89,8 @@ class Controller:
         self._agents_gone: set[str] = set()
         allowed = {os.getuid(), 0} | ({u} if (u := slurm_user_uid()) is not None else set())
         self.requests = RequestInbox(self.job_dir, allowed)
+        self.time_limit_signal = False
+        self._last_watch_error = None
 
     # ------------------------------------------------------------ helpers used by swap/recovery
     def new_gen(self) -> int:
@@ -162,10 +164,13 @@ class Controller:
                 continue
             self.channels[node] = ch
             self.last_hb[node] = time.monotonic()
+            self.launcher.admitted(node, hello)
             self.nodes.set_host(node, hello.host)
             self.log.emit("agent_admitted", node=node, host=hello.host, pid=hello.pid,
                           since_start_s=round(time.monotonic() - self.t_start, 3))
             ch.send(self._launch_msg(node))
+            if n.role == Role.STANDBY and not self.cfg.standby.prestart:
+                self.nodes.set_ready(node, warm=False, cold=True)
 
     # ------------------------------------------------------------ messages
     def _dispatch(self, node: str, m) -> None:
@@ -198,7 +203,7 @@ class Controller:
             up = self.standby_up.setdefault(node, set())
             up.add(local)
             if len(up) == self.cfg.layout.ranks_per_node and self.nodes.nodes[node].role == Role.STANDBY:
-                self.nodes.set_ready(node, warm=bool(data.get("warm", False)))
+                self.nodes.set_ready(node, warm=bool(data.get("warm", False)), sandbox=data.get("sandbox"))
         elif kind == "comm_error":
             self.log.emit("comm_error", node=node, rank=rank, step=step, group=data.get("group"),
                           error=data.get("error"))
@@ -213,6 +218,8 @@ class Controller:
                 self.stop("finished", JobState.FINISHED, code=0)
         elif kind == "crashed":
             self.log.emit("worker_crashed", node=node, rank=rank, error=data.get("error", "")[-1500:])
+        elif kind in ("switched", "recovered", "joined", "left"):
+            self.log.emit(f"rank_{kind}", node=node, rank=rank, step=step, **data)
         elif kind in ("recovery_timeout", "exiting", "stopped"):
             self.log.emit(f"worker_{kind}", node=node, rank=rank, step=step, **data)
         if self.swap is not None:
@@ -244,10 +251,18 @@ class Controller:
         n = self.nodes.nodes[node]
         if n.role == Role.LEAVING and (self.swap is None or self.swap.state in ("switched",)):
             self.nodes.set_role(node, Role.RELEASED, reason="evacuated")
-            self.launcher.release(node)
-            self.log.emit("node_released", node=node, why=why)
+            self.release(node, why)
         elif n.role in (Role.ACTIVE, Role.STANDBY, Role.JOINING, Role.LEAVING) and self._stopping is None:
             self.fail(node, "agent_exit", why=why)
+
+    def release(self, node: str, why: str) -> None:
+        t0 = time.monotonic()
+        try:
+            result = self.launcher.release(node)
+        except Exception as e:            # SlurmError: the node stays in the job, training goes on
+            result = f"not released: {e}"
+        self.log.emit("node_released", node=node, why=why, result=result,
+                      release_s=round(time.monotonic() - t0, 4))
 
     # ------------------------------------------------------------ failures
     def injected_at(self, node: str) -> float | None:
@@ -285,8 +300,7 @@ class Controller:
             return
         if self.recovery is not None and self.recovery.state == "resumed":
             self.recovery.finish(interrupted=True)
-        gen, step = votes.first_undecided_abort(self.store, self.gen, (self.committed_step() or -1) + 1,
-                                                f"{node} failed ({how})")
+        gen, step = self.abort_in_flight(f"{node} failed ({how})")
         if self.swap is not None:
             if gen != self.gen or self.swap.state == "switched":
                 k = self.store.get(votes.switch_key(self.swap.plan.id))
@@ -301,22 +315,52 @@ class Controller:
             slot = self.topo.slot_of(next(r for r, h in self.holder.items() if h == node))
         if self.recovery is None:
             self._begin_recovery(gen, step, t_fail or t_detect)
-        elif (gen, step) != (self.recovery.gen, self.recovery.step):
-            self.recovery.gen, self.recovery.step = gen, step
+        elif gen != self.recovery.gen:
+            self.recovery.gen, self.recovery.step, self.recovery.aborted = gen, step, {}
         if slot is not None:
             self.recovery.add_failure(node, info, slot)
         else:
             self.recovery.failed.setdefault(node, info)
+
+    def abort_in_flight(self, why: str) -> tuple[int, int]:
+        """Abort whatever step the ranks are in (see vote.abort_in_flight for the range)."""
+        working = [w.step for ws in self.workers.values() for w in ws.values()
+                   if w.rank is not None and w.step is not None]
+        lo = (self.committed_step() or -1) + 1
+        return votes.abort_in_flight(self.store, self.gen, lo, max(working, default=lo) + 1, why)
 
     def _begin_recovery(self, gen: int, step: int, t_fail: float) -> None:
         self.recovery = Recovery(self, gen, step, t_fail)
         if self.job.state != JobState.RECOVERING:
             self.job.set(JobState.RECOVERING, step=step)
 
+    def _watch(self) -> None:
+        held = [n for n, x in self.nodes.nodes.items() if x.role not in (Role.FAILED, Role.RELEASED)]
+        evs, errs = self.watcher.poll(held)
+        for e in errs:
+            if e != self._last_watch_error:
+                self.log.emit("slurm_query_failed", error=e[:500])
+            self._last_watch_error = e
+        for ev, t_seen, query_s in evs:
+            n = self.nodes.nodes.get(ev.node)
+            self.log.emit("slurm_event", node=ev.node, cause=ev.cause, planned=ev.planned,
+                          reason=ev.reason, since=ev.since, role=n.role.value if n else None,
+                          seen_after_s=round(t_seen - ev.since, 3) if ev.since else None,
+                          query_s=round(query_s, 4))
+            if n is None or n.role in (Role.FAILED, Role.RELEASED):
+                continue
+            if ev.planned:
+                self.handle_request(Request("drain", ev.node, f"slurm {ev.cause}: {ev.reason}",
+                                            ev.since or t_seen, 0, "", {"cause": ev.cause}))
+            else:
+                self.fail(ev.node, f"slurm_{ev.cause}", reason=ev.reason)
+
     def _check_liveness(self, now: float) -> None:
         if self._stopping is not None:
             return                     # agents are going away on purpose
         for node, ch in list(self.channels.items()):
+            if ch.broken and node not in self._agents_gone:
+                self.fail(node, "link_broken")
             if ch.dead or node in self._agents_gone:
                 continue
             silent = now - self.last_hb.get(node, now)
@@ -361,8 +405,7 @@ class Controller:
                 del self.wanted_drains[node]
                 self.send(node, Shutdown(f"drained: {req.reason}"))
                 self.nodes.set_role(node, Role.RELEASED, reason=f"drained standby: {req.reason}")
-                self.launcher.release(node)
-                self.log.emit("node_released", node=node, why="standby drained")
+                self.release(node, "standby drained")
                 continue
             joiner = choose_joiner(self.nodes.nodes.values())
             if joiner is None:
@@ -375,7 +418,7 @@ class Controller:
             self.plan_seq += 1
             plan = plan_planned(self.topo, self.plan_seq, self.gen, self.new_gen(),
                                 [Move(n.slot, node, joiner)], reason=req.reason or req.verb)
-            self.swap = PlannedSwap(self, plan, req.reason or "drain", req.t)
+            self.swap = PlannedSwap(self, plan, req)
             self.swap.start()
             return
 
@@ -403,7 +446,7 @@ class Controller:
 
     # ------------------------------------------------------------ stopping
     def abort_and_stop(self, why: str) -> None:
-        votes.first_undecided_abort(self.store, self.gen, (self.committed_step() or -1) + 1, why)
+        self.abort_in_flight(why)
         self.stop(why, JobState.FAILED if why.startswith("unrecoverable") else JobState.FINISHED, code=1)
 
     def stop(self, why: str, final: JobState, code: int, wait_workers: bool = False) -> None:
@@ -465,11 +508,16 @@ class Controller:
 
     # ------------------------------------------------------------ loop
     def run(self) -> int:
+        import signal
         self._open()
+        # sbatch --signal=B:USR1@T: checkpoint at the next step boundary and end requeue-able
+        signal.signal(signal.SIGUSR1, lambda *_: setattr(self, "time_limit_signal", True))
+        if self.watcher is not None:
+            self.watcher.start()
         try:
             for n in sorted(self.nodes.nodes):
                 self.launcher.start(n)
-            next_ping = next_status = next_req = next_watch = 0.0
+            next_ping = next_status = next_req = 0.0
             ping_seq = 0
             last = time.monotonic()
             while self.exit_code is None:
@@ -491,10 +539,12 @@ class Controller:
                 if now >= next_req:
                     self._requests()
                     next_req = now + 0.05
-                if self.watcher is not None and now >= next_watch:
-                    for ev in self.watcher.poll(self):
-                        self.handle_request(ev)
-                    next_watch = now + self.cfg.slurm.poll_interval_s
+                if self.watcher is not None:
+                    self._watch()
+                if self.time_limit_signal:
+                    self.time_limit_signal = False
+                    self.handle_request(Request("checkpoint", None, "time limit (SIGUSR1)", time.time(),
+                                                os.getuid(), "", {"exit": True}))
                 if self.swap is not None:
                     self.swap.tick(now)
                 if self.recovery is not None:
@@ -521,9 +571,21 @@ class Controller:
             self._write_status()
             self._write_result()
             self.log.emit("job_end", state=self.job.state.value, exit_code=self.exit_code)
+            if self.watcher is not None:
+                self.watcher.stop()
             self.launcher.stop_all(grace=2.0)
             self.port.close()
+            if self.job.state == JobState.REQUEUED and self.cfg.slurm.requeue_on_exit:
+                self._requeue()
         return self.exit_code
+
+    def _requeue(self) -> None:
+        """Last act: Slurm kills what is left of the job (this process too) and queues it again;
+        the next run resumes from the checkpoint (SLURM_RESTART_COUNT > 0)."""
+        try:
+            self.launcher.requeue()
+        except Exception as e:
+            self.log.emit("requeue_failed", error=str(e)[:500])
 
 
 def default_host() -> str:

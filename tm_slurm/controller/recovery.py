@@ -26,7 +26,7 @@ class Recovery:
     def __init__(self, ctl: "Controller", gen: int, step: int, t_fail_wall: float):
         self.ctl = ctl
         self.gen, self.step = gen, step            # the aborted step, to be redone
-        self.t0 = time.monotonic()
+        self.t0 = self.reabort_at = time.monotonic()
         self.t_fail_wall = t_fail_wall
         self.failed: dict[str, dict] = {}          # node -> how it was detected
         self.slots: dict[str, int] = {}            # failed node -> slot it held
@@ -57,6 +57,7 @@ class Recovery:
     def on_report(self, node: str, kind: str, rank, step, data: dict, gen: int) -> None:
         if kind == "aborted" and gen == self.gen and rank is not None:
             self.aborted[rank] = data.get("broken", [])
+            self.step = min(self.step, step) if len(self.aborted) > 1 else step   # the ranks' word
         if self.plan is None or data.get("plan") != self.plan.id:
             return
         if kind == "recover_built":
@@ -73,14 +74,23 @@ class Recovery:
             live = self.live_ranks()
             if set(live) <= set(self.aborted):
                 self.decide(now)
-            elif now - self.t0 > T.collective_timeout_s + T.heartbeat_timeout_s:
-                # a rank that neither aborted nor died is stuck: fence its node
+            elif now - self.t0 > 2 * T.collective_timeout_s + T.heartbeat_timeout_s:
+                # alive (it heartbeats) yet neither aborted nor failed through a per-op timeout
+                # twice over: stuck for good, fence its node
                 for r in sorted(set(live) - set(self.aborted)):
                     ctl.fail(ctl.holder[r], "no_abort", rank=r)
+            elif now - self.reabort_at > T.heartbeat_timeout_s:
+                # a rank may sit in the vote of a step the first abort did not cover
+                self.reabort_at = now
+                g, _ = ctl.abort_in_flight("recovery: re-abort")
+                if g != self.gen:
+                    self.gen, self.aborted = g, {}
         elif self.state == "waiting":
             if choose_joiner(ctl.nodes.nodes.values()) is not None:
                 self.decide(now)
             elif now - self.waiting_since > ctl.cfg.standby.wait_s:
+                ctl.log.emit("standbys_exhausted", step=self.step, policy="wait", action="checkpoint_exit",
+                             waited_s=round(now - self.waiting_since, 3))
                 self.checkpoint_exit(f"no standby became ready within {ctl.cfg.standby.wait_s}s")
         elif self.state == "building":
             if self.needed <= set(self.built):
@@ -149,7 +159,7 @@ class Recovery:
                      groups_rebuilt=[b.id for b in plan.builds], groups_kept=list(plan.kept),
                      fallback=self.fallback, checkpoint=plan.checkpoint)
         ctl.broadcast(ToWorkers(Recover(plan)))
-        self.state, self.t_plan = "building", now
+        self.state, self.t_plan = "building", time.monotonic()
 
     def replan(self, why: str) -> None:
         ctl = self.ctl

@@ -21,8 +21,10 @@ if TYPE_CHECKING:
 
 
 class PlannedSwap:
-    def __init__(self, ctl: "Controller", plan: SwapPlan, reason: str, requested_wall: float):
-        self.ctl, self.plan, self.reason = ctl, plan, reason
+    def __init__(self, ctl: "Controller", plan: SwapPlan, request):
+        self.ctl, self.plan, self.request = ctl, plan, request
+        self.reason = request.reason or request.verb
+        requested_wall = request.t
         self.t0 = time.monotonic()
         self.requested_wall = requested_wall      # when the event that asked for it happened
         self.plan_wall = time.time()
@@ -170,6 +172,7 @@ class PlannedSwap:
         for m in plan.moves:
             if ctl.nodes.nodes[m.leaver].role == Role.LEAVING:
                 ctl.nodes.set_role(m.leaver, Role.ACTIVE, reason="swap cancelled", plan=plan.id)
+                ctl.wanted_drains.setdefault(m.leaver, self.request)   # still to be drained
             if ctl.nodes.nodes[m.joiner].role == Role.JOINING:
                 ctl.nodes.set_role(m.joiner, Role.STANDBY, reason="swap cancelled", plan=plan.id)
         if ctl.job.state == JobState.SWAPPING:

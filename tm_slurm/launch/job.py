@@ -26,6 +26,7 @@ class JobSpec:
     standbys: int
     command: tuple[str, ...]
     store_host: str
+    resume: str | None = None        # checkpoint step directory to start from
 
 
 def resolve(cfg: cfgmod.Config, args) -> JobSpec:
@@ -58,7 +59,33 @@ def resolve(cfg: cfgmod.Config, args) -> JobSpec:
         job_id = os.environ.get("TM_SLURM_JOB_ID") or args.job_id or alloc.job_id
     job_dir = Path(os.environ.get("TM_SLURM_JOB_DIR") or args.job_dir or cfg.job_dir
                    or Path.cwd() / "tm_slurm_jobs" / job_id).resolve()
-    return JobSpec(mode, job_id, job_dir, tuple(nodes), standbys, tuple(command), host)
+    resume = args.resume
+    if resume is None and mode == "slurm" and alloc.restart_count > 0:
+        resume = "auto"          # a requeued job continues from its last checkpoint, if any
+    return JobSpec(mode, job_id, job_dir, tuple(nodes), standbys, tuple(command), host,
+                   resume_checkpoint(cfg, job_dir, resume))
+
+
+def resume_checkpoint(cfg: cfgmod.Config, job_dir: Path, resume: str | None) -> str | None:
+    from ..topology import Topology
+    from ..worker import checkpoint as ckpt
+    if resume is None:
+        return None
+    if resume not in ("latest", "auto"):
+        d = Path(resume)
+        bad = ckpt.bad_shards(d, Topology(cfg.layout))
+        if bad:
+            raise LaunchError(f"--resume {d}: shards {bad} are missing or do not match their digest")
+        return str(d.resolve())
+    root = ckpt.root(cfg, job_dir)
+    found, rejected = ckpt.latest_valid(root, Topology(cfg.layout))
+    for step, why in rejected:
+        print(f"tm-slurm: checkpoint of step {step} rejected: {why}", file=sys.stderr)
+    if found is None:
+        if resume == "auto":
+            return None
+        raise LaunchError(f"--resume: no valid checkpoint under {root}")
+    return str(found[1].resolve())
 
 
 def run(cfg: cfgmod.Config, spec: JobSpec) -> int:
@@ -71,7 +98,7 @@ def run(cfg: cfgmod.Config, spec: JobSpec) -> int:
         mpictl.reexec_under_mpiexec()
     from ..controller.core import Controller
     # one inductor cache for the job: a joiner that compiles finds what the others compiled
-    env = {"PYTHONUNBUFFERED": "1",
+    env = {"PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
            "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(spec.job_dir / "inductor"))}
     if spec.mode == "local":
         from .local import LocalLauncher
@@ -86,7 +113,8 @@ def run(cfg: cfgmod.Config, spec: JobSpec) -> int:
         watcher = Watcher(cfg, spec.job_id)
     ctl = Controller(cfg, job_id=spec.job_id, job_dir=spec.job_dir, command=list(spec.command),
                      cwd=os.getcwd(), env=env, nodes=list(spec.nodes), standbys=spec.standbys,
-                     launcher=launcher, store_host=spec.store_host, watcher=watcher)
+                     launcher=launcher, store_host=spec.store_host, watcher=watcher,
+                     resume_checkpoint=spec.resume)
     rc = ctl.run()
     print(f"tm-slurm: job {spec.job_id} ended {ctl.job.state.value} (exit {rc}); events in "
           f"{spec.job_dir / 'events.jsonl'}", file=sys.stderr, flush=True)

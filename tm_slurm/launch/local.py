@@ -26,11 +26,15 @@ def nodes_file(job_dir: Path) -> Path:
 
 
 class LocalLauncher:
+    """Hydra runs each agent in a session of its own, and the agent's workers inherit its process
+    group: that group is the node (what a power loss kills), mpiexec and its proxy are the
+    launcher around it."""
     kind = "local"
 
     def __init__(self, job_dir: Path, cfg):
         self.job_dir, self.cfg = Path(job_dir), cfg
         self.procs: dict[str, subprocess.Popen] = {}
+        self.pgids: dict[str, int] = {}
         self.ended: set[str] = set()
 
     def start(self, node: str) -> None:
@@ -40,8 +44,11 @@ class LocalLauncher:
                                             stdin=subprocess.DEVNULL, stdout=log,
                                             stderr=subprocess.STDOUT)
         log.close()
+
+    def admitted(self, node: str, hello) -> None:
+        self.pgids[node] = hello.pgid
         fsync_write(nodes_file(self.job_dir), json.dumps(
-            {n: {"pgid": p.pid} for n, p in self.procs.items()}).encode())
+            {n: {"pgid": g, "launcher_pid": self.procs[n].pid} for n, g in self.pgids.items()}).encode())
 
     def poll(self) -> list[tuple[str, int]]:
         out = []
@@ -51,20 +58,19 @@ class LocalLauncher:
                 out.append((n, p.returncode))
         return out
 
-    def signal(self, node: str, sig: int) -> None:
-        p = self.procs.get(node)
-        if p is not None:
-            try:
-                os.killpg(p.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-
     def kill(self, node: str) -> None:
-        """Fence: every process of the node, at once (SIGCONT too, in case it was stopped)."""
-        self.signal(node, signal.SIGKILL)
-        self.signal(node, signal.SIGCONT)
+        """Fence: every process of the node at once, and its launcher."""
+        for pg in (self.pgids.get(node), self.procs[node].pid if node in self.procs else None):
+            if pg is not None:
+                try:
+                    os.killpg(pg, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
-    def release(self, node: str) -> None:
+    def release(self, node: str) -> str:
+        return "local mode: nothing to give back"
+
+    def requeue(self) -> None:
         pass
 
     def stop_all(self, grace: float = 5.0) -> None:
@@ -84,24 +90,27 @@ class LocalLauncher:
 def inject(job_dir: Path, node: str, mode: str) -> float:
     """`tm-slurm fail NODE --mode kill|hang|exit` in local mode; returns the failure's wall time."""
     import time
-    info = json.loads(nodes_file(job_dir).read_text())
+    try:
+        info = json.loads(nodes_file(job_dir).read_text())
+    except OSError:
+        raise SystemExit(f"{job_dir} is not a running local-mode job") from None
     if node not in info:
         raise SystemExit(f"unknown node {node!r}; nodes: {', '.join(sorted(info))}")
     pgid = info[node]["pgid"]
     t = time.time()
-    if mode == "kill":
-        os.killpg(pgid, signal.SIGKILL)
-    elif mode == "hang":
-        os.killpg(pgid, signal.SIGSTOP)
-    elif mode == "exit":
-        # the workers die, the agent lives (the "worker process exited" path)
-        for pid in _workers_of(job_dir, node):
-            try:
+    try:
+        if mode == "kill":
+            os.killpg(pgid, signal.SIGKILL)
+        elif mode == "hang":
+            os.killpg(pgid, signal.SIGSTOP)
+        elif mode == "exit":
+            # the workers die, the agent lives (the "worker process exited" path)
+            for pid in _workers_of(job_dir, node):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    else:
-        raise SystemExit(f"unknown mode {mode!r}: kill | hang | exit")
+        else:
+            raise SystemExit(f"unknown mode {mode!r}: kill | hang | exit")
+    except ProcessLookupError:
+        raise SystemExit(f"{node} has no running processes (already failed, or the job ended)") from None
     return t
 
 

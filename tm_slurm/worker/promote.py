@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from ..comm import vote as votes
-from ..messages import CancelPlan, Prepare, Recover, Resume, Stop, WriteCheckpoint
+from ..messages import CancelPlan, Checkpoint, Prepare, Recover, Resume, Stop, WriteCheckpoint
 from . import checkpoint as ckpt
 from . import sandbox
 from .runtime import BuildFn, StepFn, Worker, exit_clean, is_link, store_client
@@ -152,6 +152,9 @@ def recover(w: Worker, step: int, d: votes.Decision) -> int:
             os._exit(3)
         if isinstance(msg, Stop):
             exit_clean()
+        if isinstance(msg, Checkpoint):
+            from . import lost
+            lost.controller_lost(w, pending=None, error=None)
         if isinstance(msg, Recover) and msg.plan.gen_from == w.gen:
             w.reaper.drop(built.values())
             plan, built = msg.plan, {}

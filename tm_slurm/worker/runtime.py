@@ -10,6 +10,8 @@ import sys
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable
@@ -71,6 +73,7 @@ class Worker:
         self.ctx: Context | None = None
         self.parked: tuple[str, TrainState] | None = None   # a standby's rehearsed (role, state)
         self.job_dir = Path(os.environ.get("TM_SLURM_JOB_DIR", "."))
+        self._voter = ThreadPoolExecutor(1, thread_name_prefix="tm-vote")
         self.inbox = Inbox(wire, self.node, self._on_prepare)
         self.inbox.start(self.T.heartbeat_interval_s, lambda: (self.gen, self.rank, self.step,
                                                                 self.committed))
@@ -190,19 +193,14 @@ class Worker:
             (st.optimizer or st.model).zero_grad(set_to_none=True)
             self.table.broken.clear()
             loss = step_fn(self.ctx, st, step)
-            d = votes.vote(self.store, self.gen, step, self.cfg.layout.world, not self.table.broken,
-                           self.T.vote_timeout_s)
+            d = self._vote(step)
             if not d.commit:
                 (st.optimizer or st.model).zero_grad(set_to_none=True)
                 step = promote.recover(self, step, d)
                 t_prev = time.perf_counter()
                 first = True
                 continue
-            if st.optimizer is not None:
-                st.optimizer.step()
-            if st.scheduler is not None:
-                st.scheduler.step()
-            self.committed = step
+            self.apply(step)
             if self.table.recorder is not None:
                 self.table.recorder.save(self.job_dir, self.ctx.pp_rank)
                 self.table.recorder = None
@@ -217,6 +215,34 @@ class Worker:
             self.report("stopped", step, reason=self.inbox.stop_reason)
             exit_clean()
         self._finish(step)
+
+    def _vote(self, step: int) -> votes.Decision:
+        """The commit vote runs on a thread of its own: if the controller's host dies, its store
+        can hang a blocking wait for minutes, and the main thread must still hear its agent
+        say so (and write the survivors' checkpoint)."""
+        fut = self._voter.submit(votes.vote, self.store, self.gen, step, self.cfg.layout.world,
+                                 not self.table.broken, self.T.vote_timeout_s)
+        error = None
+        while True:
+            try:
+                return fut.result(timeout=0.05)
+            except FutureTimeout:
+                if self.inbox.lost_controller is not None:
+                    break
+            except Exception as e:        # the store connection broke: the controller is gone
+                error = e
+                break
+        from . import lost
+        lost.controller_lost(self, pending=step, error=error)
+
+    def apply(self, step: int) -> None:
+        """The optimizer step of a committed step (only ever under a commit decision)."""
+        st = self.state
+        if st.optimizer is not None:
+            st.optimizer.step()
+        if st.scheduler is not None:
+            st.scheduler.step()
+        self.committed = step
 
     def _boundary(self, next_step: int, d: votes.Decision) -> None:
         """Between two committed steps: periodic checkpoint, planned switch, requested checkpoint
@@ -243,9 +269,11 @@ class Worker:
             info = send_state(link.pg, self.state, next_step, peer=1)
             self.report("left", next_step, plan=plan.id, **info)
             exit_clean()
+        before = self.table.identities()
         self.install(built)
         self.report("switched", next_step, plan=plan.id, switch_s=time.perf_counter() - t0,
-                    rebuilt=sorted(g.id for g in built.values()))
+                    rebuilt=sorted(g.id for g in built.values()),
+                    identity={gid: [before.get(gid), i] for gid, i in self.table.identities().items()})
 
     def checkpoint(self, next_step: int, reason: str, writer: bool | None = None) -> None:
         t0 = time.perf_counter()

@@ -1,0 +1,79 @@
+"""State transfer as raw tensors between two real processes over a real gloo group."""
+import multiprocessing as mp
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tm_slurm.messages import GroupBuild
+from tm_slurm.worker.state import TrainState, digest, manifest, nbytes, recv_state, send_state
+
+
+def make(seed, warm):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    if warm:
+        for i in range(3):
+            m(torch.randn(8, 16)).pow(2).sum().backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    return TrainState(m, opt, sched, extra={"tokens_seen": 123 if warm else 0})
+
+
+def _peer(rank, port, q, receiver_warm):
+    from tm_slurm.comm.groups import build_group
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    g = build_group(store, GroupBuild("xfer", (0, 1), "t/xfer"), rank, device=torch.device("cpu"),
+                    backend="gloo", timeout=30, iface="127.0.0.1")
+    if rank == 0:
+        st = make(0, warm=True)
+        info = send_state(g.pg, st, 42, peer=1)
+        q.put(("sent", digest(st), info))
+    else:
+        st = make(1, warm=receiver_warm)
+        ptrs = [t.data_ptr() for t in [p.data for p in st.model.parameters()]]
+        step, info = recv_state(g.pg, st, peer=0)
+        same_storage = ptrs == [p.data.data_ptr() for p in st.model.parameters()]
+        q.put(("got", digest(st), step, same_storage, st.extra))
+
+
+def _run(receiver_warm):
+    m = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    ctx = mp.get_context("fork")   # torch is already imported here: no second import
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_peer, args=(r, m.port, q, receiver_warm)) for r in (0, 1)]
+    for p in ps:
+        p.start()
+    res = {x[0]: x for x in (q.get(timeout=120), q.get(timeout=120))}
+    for p in ps:
+        p.join(30)
+        assert p.exitcode == 0
+    return res
+
+
+def test_transfer_into_a_cold_receiver_is_bit_identical():
+    res = _run(receiver_warm=False)
+    assert res["sent"][1] == res["got"][1]
+    assert res["got"][2] == 42 and res["got"][4] == {"tokens_seen": 123}
+    assert res["sent"][2]["bytes"] > 0
+
+
+def test_transfer_into_a_warm_receiver_reuses_its_tensors():
+    res = _run(receiver_warm=True)
+    assert res["sent"][1] == res["got"][1] and res["got"][3] is True
+
+
+def test_digest_sees_every_bit():
+    a, b = make(0, True), make(0, True)
+    assert digest(a) == digest(b)
+    with torch.no_grad():
+        p = next(a.model.parameters())
+        p.view(-1)[0] = torch.nextafter(p.view(-1)[0], torch.tensor(1e9))
+    assert digest(a) != digest(b)
+    b.optimizer.param_groups[0]["lr"] *= 2
+    assert digest(make(0, True)) != digest(b)
+    assert nbytes(a) > 0 and manifest(a, 3)["step"] == 3

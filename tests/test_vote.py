@@ -1,0 +1,80 @@
+"""The commit vote on a real TCPStore, with real threads as voters."""
+import threading
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from tm_slurm.comm import vote as V
+
+
+@pytest.fixture
+def store():
+    m = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    yield m
+
+
+def client(m):
+    return dist.TCPStore("127.0.0.1", m.port, is_master=False, wait_for_workers=False,
+                         timeout=timedelta(seconds=10))
+
+
+def vote_all(m, world, gen, step, oks):
+    out = [None] * world
+    ths = [threading.Thread(target=lambda i=i: out.__setitem__(i, V.vote(client(m), gen, step, world, oks[i], 5.0)))
+           for i in range(world)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(10)
+    return out
+
+
+def test_all_ok_commits_everywhere(store):
+    got = vote_all(store, 4, 0, 0, [True] * 4)
+    assert all(d.commit and d.switch is None for d in got)
+
+
+def test_one_failure_aborts_everywhere(store):
+    got = vote_all(store, 4, 0, 3, [True, True, False, True])
+    assert all(not d.commit for d in got)
+
+
+def test_pending_switch_is_taken_at_one_boundary(store):
+    V.set_pending(store, 2, plan_id=9, gen_to=3)
+    got = vote_all(store, 3, 2, 11, [True] * 3)
+    assert all(d.commit and d.switch == 9 and d.gen_to == 3 for d in got)
+    assert store.get(V.switch_key(9)) == b"11"
+
+
+def test_pending_checkpoint_is_consumed_once(store):
+    V.set_pending(store, 0, checkpoint="time limit", exit=True)
+    first = vote_all(store, 2, 0, 5, [True, True])
+    second = vote_all(store, 2, 0, 6, [True, True])
+    assert all(d.checkpoint == "time limit" and d.exit for d in first)
+    assert all(d.commit and d.checkpoint is None for d in second)
+
+
+def test_controller_abort_lands_on_the_in_flight_step(store):
+    vote_all(store, 2, 0, 0, [True, True])
+    vote_all(store, 2, 0, 1, [True, True])
+    assert V.abort_in_flight(store, 0, 0, 3, "node failed") == (0, 2)
+    # a rank arriving late at step 2 sees the abort
+    assert not V.vote(client(store), 0, 2, 2, True, 5.0).commit
+
+
+def test_abort_follows_a_committed_switch(store):
+    V.set_pending(store, 0, plan_id=1, gen_to=5)
+    vote_all(store, 2, 0, 0, [True, True])
+    assert V.abort_in_flight(store, 0, 0, 1, "x") == (5, 1)
+
+
+def test_abort_reaches_a_new_generation_whose_first_step_is_not_the_lower_bound(store):
+    # generation 3 started at step 40 (a switch); the controller only knows "about step 39"
+    assert V.abort_in_flight(store, 3, 39, 41, "joiner died") == (3, 39)
+    assert not V.vote(client(store), 3, 40, 2, True, 5.0).commit
+
+
+def test_missing_voter_times_out_into_abort(store):
+    d = V.vote(client(store), 0, 0, 2, True, 0.3)
+    assert not d.commit and "no decision" in d.why

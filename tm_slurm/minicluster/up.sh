@@ -1,0 +1,234 @@
+#!/bin/bash
+# up.sh -- start a real multi-node Slurm cluster on this one machine (root only).
+#
+#   head   netns $PREFIX-head  ($SUBNET.1): slurmctld and the "switch" (bridge $BRIDGE)
+#   nodeK  netns $PREFIX-nodeK ($SUBNET.1K): slurmd; own hostname, IPC, mount, PID, time
+#   munged on the host, socket $RUN/run/munge.socket (unix sockets cross netns)
+#
+# Idempotent: a healthy cluster with the same settings is left alone
+# (TM_SLURM_MINICLUSTER_FRESH=1 forces a restart); anything else is torn down with
+# down.sh and built again from nothing. If the start fails, everything started so far
+# is removed again (logs stay in $DIR/last-logs). Settings: see common.sh.
+set -eEuo pipefail
+trap 'log "ERROR: line $LINENO: $BASH_COMMAND failed"' ERR
+MC_IGNORE_SAVED=1 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+# ---------------------------------------------------------------- can we run at all?
+[ "$(id -u)" = 0 ] || die "must run as root: the cluster needs network, mount and PID namespaces"
+for c in slurmctld slurmd munged munge unmunge ip unshare nsenter setsid pgrep scontrol sinfo; do
+  command -v "$c" >/dev/null || die "missing command '$c' (Debian: apt-get install slurmctld slurmd slurm-client munge iproute2 util-linux procps)"
+done
+[ -n "$PYTHON" ] && [ -x "$PYTHON" ] || die "no python3 found for nodeinit.py (set TM_SLURM_MINICLUSTER_PYTHON)"
+unshare --net --uts --ipc --mount --pid --fork true 2>/dev/null \
+  || die "cannot create namespaces (a container needs --privileged or CAP_SYS_ADMIN+CAP_NET_ADMIN)"
+[ -e /proc/self/ns/time ] || log "WARNING: no time namespaces (kernel < 5.6): simulated reboots keep the old boot time"
+[[ $NODES =~ ^[1-9][0-9]?$ ]] || die "TM_SLURM_MINICLUSTER_NODES must be 1..99, got '$NODES'"
+[[ $PREFIX =~ ^[a-z][a-z0-9]{0,11}$ ]] || die "TM_SLURM_MINICLUSTER_PREFIX must be [a-z][a-z0-9]{0,11}, got '$PREFIX'"
+[[ $SUBNET =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] || die "TM_SLURM_MINICLUSTER_SUBNET must look like 10.198.0, got '$SUBNET'"
+
+# ---------------------------------------------------------------- already up?
+extra=${TM_SLURM_MINICLUSTER_EXTRA_CONF:-}
+WANT="nodes=$NODES prefix=$PREFIX subnet=$SUBNET cpus=$NODE_CPUS mem=$NODE_MEM sdt=$SLURMD_TIMEOUT mt=$MSG_TIMEOUT cg=$CGROUP_PLUGIN extra=$(printf %s "$extra" | cksum)"
+healthy() {
+  [ -r "$RUN/settings" ] && [ "$(cat "$RUN/settings")" = "$WANT" ] && [ -n "$(init_pid head)" ] || return 1
+  local states; states=$(sl sinfo -h -N -o '%T' 2>/dev/null) || return 1
+  [ "$(grep -cvE '^(idle|allocated|mixed|completing)$' <<<"$states" || true)" = 0 ] \
+    && [ "$(wc -l <<<"$states")" = "$NODES" ]
+}
+if [ -z "${TM_SLURM_MINICLUSTER_FRESH:-}" ] && healthy; then
+  log "cluster already up and healthy ($NODES nodes, $RUN)"; exit 0
+fi
+# Namespaces with our prefix but no state of ours belong to a cluster started with
+# another run directory: refuse rather than tear down somebody else's cluster.
+if [ -n "$(cluster_ns)" ] && [ ! -r "$RUN/settings.env" ]; then
+  die "namespaces $PREFIX-* exist but were not created from $DIR; stop that cluster (down with its TM_SLURM_MINICLUSTER_DIR) or set another TM_SLURM_MINICLUSTER_PREFIX"
+fi
+bash "$MC_LIB/down.sh" --quiet || die "could not tear down the previous cluster"
+T0=$(date +%s.%N)
+trap 'rc=$?; if [ $rc != 0 ]; then log "start failed: cleaning up (logs in $DIR/last-logs)"; bash "$MC_LIB/down.sh" --quiet; fi' EXIT
+
+# ---------------------------------------------------------------- files
+mkdir -p "$RUN"/{etc/slurm,log,pids,run,state/slurmctld,spool} "$BIN"
+# Jobs of other users (e.g. `runuser -u nobody -- sbatch`) must read the config.
+chmod 755 "$DIR" "$RUN" "$RUN"/{etc,etc/slurm,log,pids,run,state,spool} "$BIN"
+echo "$WANT" >"$RUN/settings"
+cat >"$RUN/settings.env" <<EOF
+TM_SLURM_MINICLUSTER_NODES=$NODES
+TM_SLURM_MINICLUSTER_PREFIX=$PREFIX
+TM_SLURM_MINICLUSTER_SUBNET=$SUBNET
+TM_SLURM_MINICLUSTER_CPUS=$NODE_CPUS
+TM_SLURM_MINICLUSTER_MEM=$NODE_MEM
+TM_SLURM_MINICLUSTER_SLURMD_TIMEOUT=$SLURMD_TIMEOUT
+TM_SLURM_MINICLUSTER_MESSAGE_TIMEOUT=$MSG_TIMEOUT
+TM_SLURM_MINICLUSTER_REBOOT_DELAY=$REBOOT_DELAY
+TM_SLURM_MINICLUSTER_CGROUP_PLUGIN=$CGROUP_PLUGIN
+TM_SLURM_MINICLUSTER_PYTHON=$PYTHON
+EOF
+cat >"$RUN/activate" <<EOF
+# source me: Slurm clients on PATH that talk to the minicluster
+export SLURM_CONF=$RUN/etc/slurm/slurm.conf
+case ":\$PATH:" in *":$BIN:"*) ;; *) export PATH=$BIN:\$PATH ;; esac
+EOF
+
+mungekey -c -f -k "$RUN/etc/munge.key" 2>/dev/null \
+  || dd if=/dev/urandom of="$RUN/etc/munge.key" bs=1024 count=1 status=none
+chmod 600 "$RUN/etc/munge.key"
+
+{ echo "127.0.0.1 localhost"; echo "$HEAD_IP head"
+  for n in $(node_list); do echo "$(node_ip "$n") $n"; done; } >"$RUN/etc/hosts"
+
+cat >"$RUN/etc/slurm/reboot_node.sh" <<'EOF'
+#!/bin/sh
+# RebootProgram: runs inside the node, whose PID 1 (nodeinit.py) does the "reboot"
+kill -USR1 1
+EOF
+chmod 755 "$RUN/etc/slurm/reboot_node.sh"
+
+C=$RUN/etc/slurm/slurm.conf
+cat >"$C" <<EOF
+# generated by $MC_LIB/up.sh
+ClusterName=$PREFIX
+SlurmctldHost=head($HEAD_IP)
+SlurmctldPort=6817
+SlurmdPort=6818
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# cred_expire is also the delay before a requeued job may start again (default 120 s)
+AuthInfo=socket=$RUN/run/munge.socket,cred_expire=10
+StateSaveLocation=$RUN/state/slurmctld
+SlurmdSpoolDir=$RUN/spool/%n
+SlurmctldPidFile=$RUN/run/slurmctld.pid
+SlurmdPidFile=$RUN/run/slurmd.%n.pid
+SlurmctldLogFile=$RUN/log/slurmctld.log
+SlurmdLogFile=$RUN/log/slurmd.%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+# no cgroups: all "nodes" share one kernel
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/linux
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/filetxt
+JobCompLoc=$RUN/log/jobcomp.txt
+SwitchType=switch/none
+MpiDefault=none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/backfill
+SchedulerParameters=batch_sched_delay=0,bf_interval=5
+# fast failure detection: DOWN ~ SlurmdTimeout + ping interval + MessageTimeout
+SlurmdTimeout=$SLURMD_TIMEOUT
+MessageTimeout=$MSG_TIMEOUT
+TCPTimeout=2
+InactiveLimit=0
+KillWait=5
+# no slurmdbd: finished jobs stay visible to scontrol for 10 min
+MinJobAge=600
+# a DOWN node returns to service as soon as its slurmd registers again
+ReturnToService=2
+RebootProgram=$RUN/etc/slurm/reboot_node.sh
+ResumeTimeout=60
+SlurmctldParameters=allow_user_triggers
+# keep the declared CPUs/memory: every node really sees the whole machine
+SlurmdParameters=config_overrides
+MailProg=/bin/true
+$extra
+EOF
+for n in $(node_list); do
+  echo "NodeName=$n NodeAddr=$(node_ip "$n") NodeHostname=$n CPUs=$NODE_CPUS Boards=1 SocketsPerBoard=1 CoresPerSocket=$NODE_CPUS ThreadsPerCore=1 RealMemory=$NODE_MEM State=UNKNOWN" >>"$C"
+done
+echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP" >>"$C"
+# slurmd 22.05 always initialises a cgroup plugin, even with proctrack/linuxproc and
+# task/none. "autodetect" picks cgroup/v2 on cgroup-v2-only hosts (typical CI runners),
+# whose init wants a systemd-delegated cgroup, and fails with "Hybrid mode is not
+# supported" on mixed hosts. The v1 plugin's init is a no-op and nothing here uses
+# cgroups, so pin it.
+echo "CgroupPlugin=$CGROUP_PLUGIN" >"$RUN/etc/slurm/cgroup.conf"
+
+# ---------------------------------------------------------------- client wrappers
+# From the host's network namespace a wrapper enters the head netns (where slurmctld
+# is reachable) and execs the real client: stdin/stdout, signals, cwd, environment
+# and exit status stay as they are. Inside the cluster (a batch script on a node) the
+# real client runs directly. The host netns is recognised by its inode.
+ROOTNET=$(stat -Lc %i /proc/self/ns/net)
+for c in sbatch srun salloc squeue sinfo scontrol scancel strigger sacct sstat sattach sbcast sprio sdiag sshare; do
+  [ -x "/usr/bin/$c" ] || continue
+  cat >"$BIN/$c" <<EOF
+#!/bin/sh
+# minicluster wrapper for $c (generated by up.sh)
+export SLURM_CONF=$RUN/etc/slurm/slurm.conf
+if [ "\$(stat -Lc %i /proc/self/ns/net)" = "$ROOTNET" ]; then
+  exec nsenter --net=/run/netns/$HEAD_NS -- /usr/bin/$c "\$@"
+fi
+exec /usr/bin/$c "\$@"
+EOF
+done
+cat >"$BIN/tm-slurm-minicluster-exec" <<EOF
+#!/bin/sh
+# tm-slurm-minicluster-exec CMD...: run CMD against the cluster, inside the head netns
+# (for anything that talks to slurmctld itself, e.g. libslurm/pyslurm in-process)
+export SLURM_CONF=$RUN/etc/slurm/slurm.conf PATH=$BIN:\$PATH
+exec nsenter --net=/run/netns/$HEAD_NS -- "\$@"
+EOF
+cat >"$BIN/tm-slurm-minicluster-node" <<EOF
+#!/bin/sh
+# tm-slurm-minicluster-node NODE [CMD...]: run CMD (default: a shell) "on" NODE, in
+# its network, UTS, IPC, mount, PID and time namespaces. It enters through the node's
+# slurmd, whose time namespace is the booted one, or through its init if slurmd is dead.
+[ \$# -ge 1 ] || { echo "usage: \$0 NODE [CMD...]" >&2; exit 2; }
+p=\$(cat "$RUN/pids/init.\$1.pid" 2>/dev/null) && grep -qF nodeinit.py /proc/\$p/cmdline 2>/dev/null \\
+  || { echo "node \$1 is not running" >&2; exit 1; }
+t=\$(pgrep -P "\$p" -x slurmd | head -n1)
+shift; [ \$# -gt 0 ] || set -- /bin/bash
+export SLURM_CONF=$RUN/etc/slurm/slurm.conf PATH=$BIN:\$PATH
+exec nsenter -t "\${t:-\$p}" -n -u -i -m -p -T -- "\$@"
+EOF
+chmod 755 "$BIN"/*
+
+# ---------------------------------------------------------------- network
+ip netns add "$HEAD_NS"
+ip -n "$HEAD_NS" link set lo up
+ip -n "$HEAD_NS" link add "$BRIDGE" type bridge
+ip -n "$HEAD_NS" addr add "$HEAD_IP/24" dev "$BRIDGE"
+ip -n "$HEAD_NS" link set "$BRIDGE" up
+for n in $(node_list); do
+  ns=$(node_ns "$n")
+  ip netns add "$ns"
+  ip -n "$HEAD_NS" link add "v-$n" type veth peer name eth0 netns "$ns"
+  ip -n "$HEAD_NS" link set "v-$n" master "$BRIDGE" up
+  ip -n "$ns" addr add "$(node_ip "$n")/24" dev eth0
+  ip -n "$ns" link set eth0 up
+  ip -n "$ns" link set lo up
+done
+
+# ---------------------------------------------------------------- daemons
+setsid "${CLEAN_ENV[@]}" munged -F --force --socket="$RUN/run/munge.socket" --key-file="$RUN/etc/munge.key" \
+  --pid-file="$RUN/run/munged.pid" --seed-file="$RUN/run/munged.seed" \
+  --log-file="$RUN/log/munged.log" --num-threads=4 </dev/null >>"$RUN/log/munged.out" 2>&1 &
+echo $! >"$RUN/pids/munged.pid"
+for _ in $(seq 1 100); do [ -S "$RUN/run/munge.socket" ] && break; sleep 0.05; done
+munge -S "$RUN/run/munge.socket" -n </dev/null | unmunge -S "$RUN/run/munge.socket" >/dev/null \
+  || die "munge does not work (see $RUN/log/munged.*)"
+
+start_machine head head "$HEAD_NS"
+for _ in $(seq 1 100); do sl scontrol ping 2>/dev/null | grep -q 'is UP' && break; sleep 0.1; done
+sl scontrol ping 2>/dev/null | grep -q 'is UP' \
+  || die "slurmctld does not respond: $(tail -n 5 "$RUN/log/slurmctld.log" 2>/dev/null)"
+T_CTLD=$(date +%s.%N)
+
+for n in $(node_list); do start_machine node "$n" "$(node_ns "$n")"; done
+WAIT=${TM_SLURM_MINICLUSTER_WAIT:-90}; end=$((SECONDS + WAIT)); states=
+idle_count() { grep -c ' idle$' <<<"$states" || true; }
+while [ $SECONDS -lt $end ]; do
+  states=$(sl sinfo -h -N -o '%N %T' 2>/dev/null || true)
+  [ "$(idle_count)" = "$NODES" ] && break
+  sleep 0.2
+done
+[ "$(idle_count)" = "$NODES" ] \
+  || die "nodes not idle after ${WAIT}s: $(tr '\n' ' ' <<<"$states") (see $RUN/log/slurmd.*.log)"
+trap - EXIT
+T1=$(date +%s.%N)
+log "cluster up: $NODES nodes idle after $(awk "BEGIN{printf \"%.2f\", $T1-$T0}") s (slurmctld ready after $(awk "BEGIN{printf \"%.2f\", $T_CTLD-$T0}") s)"
+log "use: . $RUN/activate   (or: tm-slurm minicluster run -- CMD)"

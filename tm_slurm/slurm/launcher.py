@@ -1,0 +1,95 @@
+"""Agents under Slurm: each one its own step, `srun -N1 -n1 -w NODE`, so a node failure kills
+only that node's step (DESIGN §6). Inside the step the agent is started by `mpiexec -launcher
+fork -rmk user -n 1` (a process that Connects must be an MPI world of its own; see control/mpi).
+
+Slurm facts this relies on (22.05, measured on the mini cluster): the srun of a step on a failed
+node returns only when the node is DOWN (~16 s) and exits 0, so its exit says nothing about
+health (the controller's heartbeats do); `scontrol update JobId=J NodeList=...` shrinks a
+running job at once, SIGKILLing whatever step is left on the removed node.
+"""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from .. import jobdir
+from ..control import mpi as mpictl
+from ..launch.local import agent_argv
+from . import backend_for
+
+
+class SlurmLauncher:
+    kind = "slurm"
+
+    def __init__(self, job_dir: Path, cfg, job_id: str, backend=None):
+        self.job_dir, self.cfg, self.job_id = Path(job_dir), cfg, job_id
+        self.backend = backend or backend_for(cfg.slurm.backend)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.steps: dict[str, str] = {}
+        self.ended: set[str] = set()
+        self.released: set[str] = set()
+        self.batch_host: str | None = None
+
+    def srun_argv(self, node: str) -> list[str]:
+        return ["srun", "-N1", "-n1", "-w", node, "--overlap", "--no-kill", "--kill-on-bad-exit=0",
+                f"--job-name=tm-agent-{node}", *self.cfg.slurm.srun_args,
+                *mpictl.mpiexec_argv(agent_argv(self.job_dir, node, self.cfg))]
+
+    def start(self, node: str) -> None:
+        log = open(jobdir.log_dir(self.job_dir) / f"{node}.agent.log", "ab")
+        self.procs[node] = subprocess.Popen(self.srun_argv(node), env=mpictl.mpi_env(),
+                                            start_new_session=True, stdin=subprocess.DEVNULL,
+                                            stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+
+    def admitted(self, node: str, hello) -> None:
+        if hello.step:
+            self.steps[node] = hello.step
+
+    def poll(self) -> list[tuple[str, int]]:
+        out = []
+        for n, p in self.procs.items():
+            if n not in self.ended and p.poll() is not None:
+                self.ended.add(n)
+                out.append((n, p.returncode))
+        return out
+
+    def kill(self, node: str) -> None:
+        """Fence: SIGKILL the node's step through slurmctld (its srun goes too). A node that
+        cannot be reached keeps its processes until Slurm declares it DOWN; the job's per-op
+        collective timeouts are the backstop for that case."""
+        step = self.steps.get(node)
+        if step is not None:
+            subprocess.Popen(["scancel", "--signal=KILL", f"{self.job_id}.{step}"],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+        p = self.procs.get(node)
+        if p is not None and p.poll() is None:
+            p.kill()
+
+    def release(self, node: str) -> str:
+        """Give an evacuated node back to Slurm, so the admin's drain completes (DRAINED)."""
+        if node == self.batch_host:
+            return "kept: the batch host (the controller runs there) cannot leave the job"
+        info = self.backend.job(self.job_id)
+        keep = [n for n in (info.nodes if info else ()) if n != node and n not in self.released]
+        self.backend.release_nodes(self.job_id, keep)
+        self.released.add(node)
+        return f"released: job now on {len(keep)} nodes"
+
+    def requeue(self) -> None:
+        self.backend.requeue(self.job_id)
+
+    def stop_all(self, grace: float = 5.0) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()               # srun forwards SIGTERM to its step
+        for n, p in self.procs.items():
+            try:
+                p.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.kill(n)
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:
+                    pass

@@ -1,0 +1,68 @@
+"""The controller is gone (its batch host died): the survivors write a consistent checkpoint of
+the last committed step without it, through the shared job directory.
+
+Why this is consistent: a step commits only once every rank has voted on it, so when the store
+vanishes every live rank has committed either the last committed step K or K-1, and a rank at
+K-1 is the one blocked in K's vote, still holding K's gradients. Each rank publishes
+(committed, pending); whoever is one behind applies K's update; then one live replica per shard
+writes the state at the start of K+1. A rank that cannot catch up writes nothing.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import time
+from pathlib import Path
+
+from .. import jobdir
+from ..events import fsync_write
+from ..messages import Checkpoint
+from . import checkpoint as ckpt
+
+EXIT_CONTROLLER_LOST = 75
+
+
+def lost_dir(job_dir: Path) -> Path:
+    d = jobdir.control_dir(job_dir) / "lost"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def controller_lost(w, pending: int | None, error) -> None:
+    """Never returns: the process exits once its part is written."""
+    from .runtime import exit_clean
+    if w.inbox.lost_controller is None:
+        # the store failing is the first sign; the agent confirms (heartbeat silence) or not
+        deadline = time.monotonic() + w.T.controller_timeout_s + 5
+        msg = None
+        while not isinstance(msg, Checkpoint) and time.monotonic() < deadline:
+            try:
+                msg = w.inbox.recoveries.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+        if not isinstance(msg, Checkpoint):
+            w.report("store_lost", pending, error=str(error)[:300])
+            exit_clean(3)
+    d = lost_dir(w.job_dir)
+    me = {"rank": w.rank, "node": w.node, "committed": w.committed, "pending": pending,
+          "shard": ckpt.shard_name(w.topo, w.rank)}
+    fsync_write(d / f"rank{w.rank}.json", json.dumps(me).encode())
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and len(list(d.glob("rank*.json"))) < w.topo.world:
+        time.sleep(0.05)
+    time.sleep(0.5)                      # the last survivors' files, if they are slower
+    peers = [json.loads(p.read_text()) for p in d.glob("rank*.json")]
+    k = max((p["committed"] for p in peers if p["committed"] is not None), default=None)
+    if k is None:
+        exit_clean(EXIT_CONTROLLER_LOST)
+    if w.committed == k - 1 and pending == k:
+        w.apply(k)                       # K committed (someone saw it): catch up
+    if w.committed != k:
+        exit_clean(EXIT_CONTROLLER_LOST)
+    able = sorted(p["rank"] for p in peers if p["shard"] == me["shard"] and
+                  (p["committed"] == k or (p["committed"] == k - 1 and p["pending"] == k)))
+    if able and able[0] == w.rank:
+        ckpt.save(ckpt.root(w.cfg, w.job_dir), k + 1, w.rank, w.topo, w.state, writer=True)
+    fsync_write(d / f"rank{w.rank}.done", b"")
+    exit_clean(EXIT_CONTROLLER_LOST)
+
