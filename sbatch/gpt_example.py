@@ -33,7 +33,9 @@ p.add_argument("--batch", type=int, default=8)
 p.add_argument("--micro", type=int, default=2, help="micro-batches per step (pipeline)")
 p.add_argument("--lr", type=float, default=3e-3)
 p.add_argument("--compile", action="store_true", help="torch.compile each stage")
-p.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step (stragglers)")
+p.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step (a slower job)")
+p.add_argument("--slow-node", default="", help="make this node a straggler: --slow-s more a step")
+p.add_argument("--slow-s", type=float, default=0.1)
 args = p.parse_args()
 torch.set_num_threads(1)   # 2-core machine, 5 processes; also keeps numerics identical across runs
 
@@ -117,6 +119,8 @@ def step(ctx: tm_slurm.Context, st: tm_slurm.TrainState, i: int):
     ctx.dp.all_reduce_grads(st.model)
     if args.sleep:
         time.sleep(args.sleep)
+    if args.slow_node and os.environ.get("TM_SLURM_NODE") == args.slow_node:
+        time.sleep(args.slow_s)           # a sick node: thermal throttling, a noisy neighbour
     return sum(l.item() for l in losses) if losses else None
 
 

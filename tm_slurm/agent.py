@@ -71,7 +71,7 @@ class Agent:
         join.write_text(str(os.getpid()))
         ch = mpictl.connect(port)
         ch.send(Hello(self.node, socket.gethostname(), os.getpid(), os.getpgid(0),
-                      os.environ.get("SLURM_STEP_ID")))
+                      os.environ.get("SLURM_STEP_ID"), os.environ.get("SLURM_JOB_ID")))
         return ch
 
     # ------------------------------------------------------------ workers
@@ -83,6 +83,17 @@ class Agent:
         self.shutdown_s = t["shutdown_s"]
 
     def spawn(self, launch: Launch) -> None:
+        """Start this node's workers (again, after a restart: the old ones are gone by then)."""
+        for w in self.workers.values():
+            if w.proc.poll() is None:
+                w.proc.kill()
+                w.proc.wait()
+            if w.wire.sock.fileno() >= 0:
+                try:
+                    self.sel.unregister(w.wire.sock)
+                except (KeyError, ValueError):
+                    pass
+                w.wire.close()
         logs = paths.log_dir(self.job_dir)
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("PMI_", "MPIR_", "HYDRA_", "MPI_", mpictl.MPI_ENV))}
@@ -133,6 +144,7 @@ class Agent:
             return
         if msg.step is not None and msg.kind not in ("aborted",):
             w.step = msg.step
+        self.busy_until = time.monotonic() + mpictl.BUSY_FOR_S
         ch.send(WorkerReport(self.node, w.local, msg))
 
     def _read(self, ch, w: WorkerProc) -> None:
@@ -178,7 +190,7 @@ class Agent:
         ch = self.connect()
         self.last_ctl = time.monotonic()
         next_hb = 0.0
-        last = time.monotonic()
+        last = self.busy_until = time.monotonic()
         while True:
             t = time.monotonic()
             if t - last > 0.5:
@@ -186,10 +198,13 @@ class Agent:
             last = t
             for m in ch.poll():
                 self.last_ctl = time.monotonic()
+                if not isinstance(m, Ping):
+                    self.busy_until = self.last_ctl + mpictl.BUSY_FOR_S
                 rc = self.handle(ch, m)
                 if rc is not None:
                     return rc
-            for key, _ in self.sel.select(timeout=0.001):
+            busy = time.monotonic() < self.busy_until
+            for key, _ in self.sel.select(timeout=mpictl.POLL_BUSY_S if busy else mpictl.POLL_IDLE_S):
                 self._read(ch, key.data)
             self._reap(ch)
             now = time.monotonic()
@@ -204,6 +219,8 @@ class Agent:
             self.configure(m)
             if m.role == "ACTIVE" or m.config["standby"]["prestart"]:
                 self.spawn(m)            # else a cold standby: no process until a plan names it
+            else:
+                self.kill_workers()      # (a restart made this node a standby again)
         elif isinstance(m, ToWorkers):
             self.to_workers(m.payload)
         elif isinstance(m, Fence):

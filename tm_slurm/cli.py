@@ -2,14 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
 from . import config as cfgmod
-from . import jobdir
 
 JOBS_ROOT = "tm_slurm_jobs"
 # c10d's C++ warnings (a store client's hostname, wait timeouts) are noise in every process
@@ -96,13 +93,8 @@ def cmd_drain(args) -> int:
 
 
 def cmd_fail(args) -> int:
-    from .events import fsync_write
-    from .launch.local import inject
-    job = find_job(args.job)
-    marker = jobdir.control_dir(job) / f"injected-{args.node}.json"
-    t = time.time()
-    fsync_write(marker, json.dumps({"t": t, "mode": args.mode}).encode())
-    inject(job, args.node, args.mode)
+    from .launch.local import fail
+    t = fail(find_job(args.job), args.node, args.mode)
     print(f"{args.node} {args.mode} at {t:.3f}")
     return 0
 
@@ -186,8 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--compile", action="store_true", help="torch.compile the example model")
     m.set_defaults(fn=cmd_demo)
 
+    from .bench.cli import add_parser as add_bench
     from .minicluster.cli import add_parser as add_minicluster
     from .sim import add_parser as add_sim
+    add_bench(sub)
     add_sim(sub)
     add_minicluster(sub)
     return ap

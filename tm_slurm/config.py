@@ -111,6 +111,14 @@ class Slurm:
 
 
 @dataclass(frozen=True)
+class Recovery:
+    # swap: move only the affected ranks (TrainMover). restart: what torchrun-style elastic
+    # training does, every worker restarted in place from the last checkpoint (kept as the
+    # honest baseline the benchmark compares against)
+    strategy: str = "swap"
+
+
+@dataclass(frozen=True)
 class Straggler:
     enabled: bool = False
     margin: float = 0.5                     # slower than the median peer by this fraction
@@ -126,6 +134,7 @@ class Config:
     comm: Comm = field(default_factory=Comm)
     slurm: Slurm = field(default_factory=Slurm)
     straggler: Straggler = field(default_factory=Straggler)
+    recovery: Recovery = field(default_factory=Recovery)
     seed: int = 0
     job_dir: str = ""                       # default: ./tm_slurm_jobs/<job id>
 
@@ -145,7 +154,8 @@ class Config:
         self.timeouts.check()
         choices = {"standby.when_exhausted": (self.standby.when_exhausted, ("wait", "shrink", "checkpoint_exit")),
                    "comm.backend": (self.comm.backend, ("auto", "gloo", "nccl")),
-                   "slurm.backend": (self.slurm.backend, ("auto", "cli", "pyslurm"))}
+                   "slurm.backend": (self.slurm.backend, ("auto", "cli", "pyslurm")),
+                   "recovery.strategy": (self.recovery.strategy, ("swap", "restart"))}
         for key, (val, ok) in choices.items():
             if val not in ok:
                 raise ConfigError(f"{key} must be one of {', '.join(ok)}; got {val!r}")

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from . import events as evlog
 from . import jobdir
+from .controller.requests import submit
+from .launch.local import fail, nodes_file
 
 SBATCH = Path(__file__).resolve().parent.parent / "sbatch"
 
@@ -31,7 +33,8 @@ def example_paths() -> tuple[Path, Path]:
 
 class JobRun:
     """One `tm-slurm run --local` of the example, with actions injected when a step is reached
-    (an int, once every standby is warm) or when an event kind first appears in the log (a str)."""
+    (an int, once every standby is warm) or when an event first appears in the log (a str: a kind,
+    or `kind@node`)."""
 
     def __init__(self, job_dir: Path, local: str, steps: int, actions: list[tuple[int | str, str, str]],
                  extra_args: list[str] = (), script_args: list[str] = (), config: Path | None = None,
@@ -48,7 +51,8 @@ class JobRun:
     def run(self, timeout: float) -> int:
         self.job_dir.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.job_dir.parent / f"{self.job_dir.name}.out", "w")
-        proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
+        proc = self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
         end = time.monotonic() + timeout
         pending = list(self.actions)
         try:
@@ -82,24 +86,43 @@ class JobRun:
             pass
 
     def _act(self, verb, node: str, step: int) -> None:
-        base = [sys.executable, "-m", "tm_slurm"]
-        if callable(verb):                      # tests: anything else (e.g. corrupt a file)
+        """What `tm-slurm drain` / `tm-slurm fail` do, in process (so the event's time is exact)."""
+        t = time.time()
+        if callable(verb):                      # tests and the benchmark: anything else
             verb(self.job_dir)
-            self.done.append({"verb": verb.__name__, "node": node, "at_step": step, "t": time.time()})
-            return
-        if verb == "drain":
-            cmd = base + ["drain", node, "--job", str(self.job_dir), "--reason", "demo: maintenance"]
+            name = verb.__name__
+        elif verb == "drain":
+            submit(self.job_dir, "drain", node, "demo: maintenance")
+            name = verb
         else:
-            cmd = base + ["fail", node, "--mode", verb, "--job", str(self.job_dir)]
-        subprocess.run(cmd, check=True, capture_output=True)
-        self.done.append({"verb": verb, "node": node, "at_step": step, "t": time.time()})
+            t = fail(self.job_dir, node, verb)
+            name = verb
+        self.done.append({"verb": name, "node": node, "at_step": step, "t": t})
+
+    def kill(self) -> None:
+        """Everything of the job at once, as a crash that takes the whole job down would: the
+        controller's session and every node's process group."""
+        for pg in [self.proc.pid, *(n["pgid"] for n in _local_nodes(self.job_dir).values())]:
+            try:
+                os.killpg(pg, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def result(self) -> dict:
         return json.loads(jobdir.result_file(self.job_dir).read_text())
 
 
-def _seen(job: Path, kind: str) -> bool:
-    return any(e["kind"] == kind for e in evlog.read(jobdir.events_file(job)))
+def _local_nodes(job: Path) -> dict:
+    try:
+        return json.loads(nodes_file(job).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _seen(job: Path, what: str) -> bool:
+    """An event of kind `what`, or `kind@node` for one about that node."""
+    kind, _, node = what.partition("@")
+    return any(e["kind"] == kind and (not node or e["node"] == node) for e in evlog.read(jobdir.events_file(job)))
 
 
 def _progress(job: Path) -> tuple[int | None, bool]:

@@ -4,8 +4,13 @@ from __future__ import annotations
 from pathlib import Path
 
 
+_made: set[Path] = set()
+
+
 def _d(p: Path) -> Path:
-    p.mkdir(parents=True, exist_ok=True)
+    if p not in _made:              # the controller asks every few milliseconds
+        p.mkdir(parents=True, exist_ok=True)
+        _made.add(p)
     return p
 
 
@@ -43,3 +48,7 @@ def final_dir(job: Path) -> Path:
 
 def result_file(job: Path) -> Path:
     return Path(job) / "result.json"
+
+
+def steps_file(job: Path) -> Path:
+    return Path(job) / "steps.jsonl"

@@ -116,6 +116,7 @@ class Hello:
     pid: int
     pgid: int
     step: str | None = None        # the agent's Slurm step id (fencing through slurmctld)
+    job: str | None = None         # its Slurm job (another one: a companion standby job)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ the controller executes what they return.
 """
 from __future__ import annotations
 
+import statistics
 from typing import Iterable, Mapping
 
 from .messages import GroupBuild, Move, SwapPlan, Transfer
@@ -125,3 +126,18 @@ def exhausted_action(policy: str, waited_s: float, wait_s: float, dp: int) -> st
     if policy == "shrink" and dp > 1:
         return "shrink"
     return "checkpoint_exit"
+
+
+def straggler(busy_by_node: Mapping[str, list[float]], margin: float, window: int) -> tuple[str, float] | None:
+    """The node whose own work per step (median over its last `window` steps, the slowest of its
+    ranks) exceeds the median of the other nodes by more than `margin` (0.5: 50% slower), and
+    by how much; None if no node does, or too few steps are known. Synchronous training waits for
+    the slowest rank at every collective, so only time outside collectives tells who it is."""
+    meds = {n: statistics.median(xs[-window:]) for n, xs in busy_by_node.items() if len(xs) >= window}
+    if len(meds) < 3 or len(meds) < len(busy_by_node):
+        return None
+    worst = max(meds, key=meds.get)
+    rest = statistics.median(v for n, v in meds.items() if n != worst)
+    if rest > 0 and meds[worst] > (1 + margin) * rest:
+        return worst, meds[worst] / rest - 1
+    return None

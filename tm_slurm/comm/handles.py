@@ -10,6 +10,7 @@ the step on every rank.
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from typing import Callable, Iterable
 
@@ -30,6 +31,7 @@ class GroupTable:
         self.on_error = on_error
         self.op_timeout = timedelta(seconds=op_timeout)
         self.recorder = None       # set on ranks that record stand-ins for standbys' sandboxes
+        self.comm_s = 0.0          # time spent inside collectives (waiting, mostly) this step
         self._lock = threading.Lock()
 
     def swap(self, new: dict[str, Group]) -> list[Group]:
@@ -56,6 +58,7 @@ class GroupTable:
             self.broken.add(gid)
             self.on_error(gid, RuntimeError(f"group {gid} is not built"))
             return False
+        t0 = time.perf_counter()
         try:
             fn(g)
             return True
@@ -63,6 +66,8 @@ class GroupTable:
             self.broken.add(gid)
             self.on_error(gid, e)
             return False
+        finally:
+            self.comm_s += time.perf_counter() - t0
 
     # ---- primitive ops (the sandbox's table overrides these)
     def allreduce(self, gid: str, t: torch.Tensor, op: str) -> bool:

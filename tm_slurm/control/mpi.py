@@ -22,6 +22,11 @@ from pathlib import Path
 from typing import Any
 
 MPI_ENV = "TM_SLURM_MPIEXEC"      # set inside the wrapper so we do not wrap twice
+# MPI has no file descriptor to wait on, so the controller and agents poll: every millisecond
+# while something is going on (a swap, a recovery, a start; a message in the last second), every
+# 20 ms when the job just trains (1 ms polling costs a Python process ~5% of a core, which a
+# small node takes from training)
+POLL_BUSY_S, POLL_IDLE_S, BUSY_FOR_S = 0.001, 0.02, 1.0
 
 _MPI = None
 

@@ -23,12 +23,13 @@ from ..control import mpi as mpictl
 from ..events import EventLog, fsync_write
 from ..messages import (AgentBye, Fence, Heartbeat, Hello, Launch, Move, Ping, Shutdown, SwapPlan,
                         WorkerExited, WorkerReport, WorkerSuspect)
-from ..planner import check_drain, choose_joiner, initial_builds, plan_planned
+from ..planner import check_drain, choose_joiner, initial_builds, plan_planned, straggler
 from ..roles import JobState, JobStatus, NodeTable, Role
 from ..topology import Topology
 from ..worker import checkpoint as ckpt
 from .progress import Progress
 from .recovery import Recovery
+from .restart import FullRestart
 from .requests import Inbox as RequestInbox, Request, slurm_user_uid
 from .swap import PlannedSwap
 
@@ -75,6 +76,7 @@ class Controller:
         self.exited: set[tuple[str, int]] = set()
         self.swap: PlannedSwap | None = None
         self.recovery: Recovery | None = None
+        self.restart: FullRestart | None = None
         self.interruptions: list[dict] = []
         self.wanted_drains: dict[str, Request] = {}
         self.deferred_drains: set[str] = set()
@@ -89,8 +91,13 @@ class Controller:
         self._agents_gone: set[str] = set()
         allowed = {os.getuid(), 0} | ({u} if (u := slurm_user_uid()) is not None else set())
         self.requests = RequestInbox(self.job_dir, allowed)
+        self._steps_logged: dict[int, float] = {}
+        self._steps_f = open(jobdir.steps_file(self.job_dir), "a", buffering=1)
         self.time_limit_signal = False
         self._last_watch_error = None
+        self.replenishing = 0                  # companion standbys asked for, not yet joined
+        self.holder_since: dict[str, int] = {n: 0 for n in self.holder.values()}
+        self._next_straggler_check = 0.0
 
     # ------------------------------------------------------------ helpers used by swap/recovery
     def new_gen(self) -> int:
@@ -113,7 +120,9 @@ class Controller:
         """A plan took effect: new generation, new slot holders, new group instances."""
         self.gen = plan.gen_to
         self.log.gen = plan.gen_to
+        since = (self.committed_step() or 0) + 1
         for m in plan.moves:
+            self.holder_since[m.joiner] = since
             for r in self.topo.slot_ranks(m.slot):
                 self.holder[r] = m.joiner
         for b in plan.builds:
@@ -156,6 +165,10 @@ class Controller:
                 hello = next((m for m in ch.poll() if isinstance(m, Hello)), None)
                 time.sleep(0.001)
             node = hello.node if hello else f.name
+            if hello and node not in self.nodes.nodes and self.replenishing > 0:
+                self.replenishing -= 1           # a companion job's node: a new standby
+                self.nodes.add(node, Role.STANDBY)
+                self.log.emit("standby_joined", node=node, host=hello.host)
             n = self.nodes.nodes.get(node)
             if hello is None or n is None or n.role in (Role.FAILED, Role.RELEASED) or node in self.channels:
                 self.log.emit("agent_refused", node=node,
@@ -180,6 +193,7 @@ class Controller:
             for w in m.workers:
                 if w.rank is not None and w.progress:
                     self.progress.add(w.rank, w.progress)
+                    self._log_steps(e[0] for e in w.progress)
         elif isinstance(m, WorkerReport):
             self.last_hb[node] = time.monotonic()
             self._report(node, m.local, m.report)
@@ -220,22 +234,40 @@ class Controller:
             self.log.emit("worker_crashed", node=node, rank=rank, error=data.get("error", "")[-1500:])
         elif kind in ("switched", "recovered", "joined", "left"):
             self.log.emit(f"rank_{kind}", node=node, rank=rank, step=step, **data)
+        elif kind == "exiting" and self.restart is not None:
+            self.restart.exit_step = step
         elif kind in ("recovery_timeout", "exiting", "stopped"):
             self.log.emit(f"worker_{kind}", node=node, rank=rank, step=step, **data)
         if self.swap is not None:
             self.swap.on_report(node, kind, rank, step, data)
         if self.recovery is not None:
             self.recovery.on_report(node, kind, rank, step, data, rep.gen)
-        if kind == "aborted" and self.recovery is None and self._stopping is None:
+        if kind == "aborted" and self.recovery is None and self.restart is None and self._stopping is None:
             # a rank aborted a step on its own (it saw a collective fail); who failed is decided
             # by the detectors below, but the recovery starts collecting now
             self._begin_recovery(rep.gen, step, data.get("t", time.time()))
             self.recovery.on_report(node, kind, rank, step, data, rep.gen)
 
+    def _log_steps(self, steps) -> None:
+        """`steps.jsonl`: one line per step once every rank has committed it (again, after a
+        rollback): progress over time, for users, `tm-slurm report` and the benchmark."""
+        for s in sorted(set(steps)):
+            recs = [self.progress.record(r, s) for r in range(self.topo.world)]
+            if None in recs:
+                continue
+            wall = max(r.wall for r in recs)
+            if self._steps_logged.get(s, -1.0) >= wall:
+                continue
+            self._steps_logged[s] = wall
+            loss = next((r.loss for r in recs if r.loss is not None), None)
+            self._steps_f.write(json.dumps({"step": s, "wall": round(wall, 6), "gen": self.gen, "loss": loss,
+                                            "dur_s": round(max(r.dur_s for r in recs), 6)}) + "\n")
+
     def _worker_exited(self, m: WorkerExited) -> None:
         self.exited.add((m.node, m.local))
         n = self.nodes.nodes[m.node]
-        expected = (self._stopping is not None or n.role in (Role.LEAVING, Role.RELEASED, Role.FAILED)
+        expected = (self._stopping is not None or self.restart is not None
+                    or n.role in (Role.LEAVING, Role.RELEASED, Role.FAILED)
                     or (m.rc == 0 and m.rank in self.finished))
         self.log.emit("worker_exit", node=m.node, rank=m.rank, rc=m.rc, pid=m.pid, expected=expected)
         if not expected:
@@ -301,6 +333,9 @@ class Controller:
         if self.recovery is not None and self.recovery.state == "resumed":
             self.recovery.finish(interrupted=True)
         gen, step = self.abort_in_flight(f"{node} failed ({how})")
+        if self.cfg.recovery.strategy == "restart":
+            self._restart_after_failure(node, slot, step, t_fail or t_detect, how)
+            return
         if self.swap is not None:
             if gen != self.gen or self.swap.state == "switched":
                 k = self.store.get(votes.switch_key(self.swap.plan.id))
@@ -321,6 +356,24 @@ class Controller:
             self.recovery.add_failure(node, info, slot)
         else:
             self.recovery.failed.setdefault(node, info)
+
+    def _restart_after_failure(self, node: str, slot, step: int, t_fail: float, how: str) -> None:
+        if slot is None and node in self.holder.values():
+            slot = self.topo.slot_of(next(r for r, h in self.holder.items() if h == node))
+        taken = [m.joiner for m in self.restart.moves] if self.restart else []
+        joiner = choose_joiner(self.nodes.nodes.values(), exclude=taken)
+        if slot is not None and joiner is None:
+            self.log.emit("standbys_exhausted", step=step, policy="restart", action="exit")
+            self.stop("no standby to restart on", JobState.REQUEUED, code=self.requeue_code)
+            return
+        move = [Move(slot, node, joiner)] if slot is not None else []
+        if self.restart is None:
+            self.restart = FullRestart(self, "unplanned", move, how, t_fail)
+            self.restart.start_unplanned(step)
+        else:
+            self.restart.moves += move
+            for m in move:
+                self.nodes.set_role(m.joiner, Role.JOINING, reason=how, slot=m.slot)
 
     def abort_in_flight(self, why: str) -> tuple[int, int]:
         """Abort whatever step the ranks are in (see vote.abort_in_flight for the range)."""
@@ -392,7 +445,7 @@ class Controller:
             self.abort_and_stop(r.reason or "stop requested")
 
     def _drive_drains(self) -> None:
-        if self.swap is not None or self.recovery is not None or self._stopping is not None:
+        if self.swap or self.recovery or self.restart or self._stopping is not None:
             return
         if self.job.state != JobState.RUNNING or self.committed_step() is None:
             return
@@ -415,6 +468,11 @@ class Controller:
                 continue
             del self.wanted_drains[node]
             self.deferred_drains.discard(node)
+            if self.cfg.recovery.strategy == "restart":
+                self.restart = FullRestart(self, "planned", [Move(n.slot, node, joiner)],
+                                           req.reason or "drain", req.t)
+                self.restart.start_planned()
+                return
             self.plan_seq += 1
             plan = plan_planned(self.topo, self.plan_seq, self.gen, self.new_gen(),
                                 [Move(n.slot, node, joiner)], reason=req.reason or req.verb)
@@ -422,9 +480,51 @@ class Controller:
             self.swap.start()
             return
 
+    def _replenish(self) -> None:
+        """Keep `standby.replenish_target` standbys: ask the launcher for more (a companion job
+        under Slurm, one more local node locally); they join like any agent and warm up."""
+        cfg = self.cfg.standby
+        if not cfg.replenish or self._stopping is not None or self.job.state == JobState.STARTING:
+            return
+        pool = len(self.nodes.with_role(Role.STANDBY)) + self.replenishing
+        if pool >= cfg.replenish_target:
+            return
+        name = self.launcher.replenish(self)
+        if name is None:                          # Slurm: the node is known when it says hello
+            self.replenishing += 1
+        else:
+            self.nodes.add(name, Role.STANDBY)
+            self.launcher.start(name)
+        self.log.emit("replenish_requested", node=name, pool=pool, target=cfg.replenish_target,
+                      via=self.launcher.kind)
+
+    def _check_stragglers(self, now: float) -> None:
+        """A node persistently slower than its peers (own work per step, outside collectives)
+        is migrated like a planned event."""
+        sc = self.cfg.straggler
+        if (not sc.enabled or now < self._next_straggler_check or self.swap or self.recovery
+                or self.restart or self.job.state != JobState.RUNNING or self.wanted_drains):
+            return
+        self._next_straggler_check = now + 1.0
+        busy = {}
+        for n in {h for h in self.holder.values()}:
+            since = self.holder_since.get(n, 0)
+            per_step = {}
+            for r in self.topo.slot_ranks(self.nodes.nodes[n].slot):
+                for s, rec in self.progress.by_rank.get(r, {}).items():
+                    if s >= since:
+                        per_step[s] = max(per_step.get(s, 0.0), rec.busy_s)
+            busy[n] = [per_step[s] for s in sorted(per_step)]
+        found = straggler(busy, sc.margin, sc.window_steps)
+        if found:
+            node, slower = found
+            self.log.emit("straggler", node=node, slower_by=round(slower, 3), window=sc.window_steps)
+            self.handle_request(Request("drain", node, f"straggler: {slower:.0%} slower than its peers",
+                                        time.time(), os.getuid(), "", {"cause": "straggler"}))
+
     def _drive_checkpoint(self) -> None:
         r = self.wanted_checkpoint
-        if r is None or self.swap is not None or self.recovery is not None or self._stopping:
+        if r is None or self.swap or self.recovery or self.restart or self._stopping:
             return
         self.wanted_checkpoint = None
         exit_after = bool(r.extra.get("exit", False))
@@ -497,7 +597,12 @@ class Controller:
                 "interruptions": self.interruptions, "updated": time.time()}
 
     def _write_status(self) -> None:
-        fsync_write(jobdir.status_file(self.job_dir), json.dumps(self.snapshot(), indent=1).encode())
+        """Atomic (readers never see half a file) but not fsynced: a snapshot, rewritten twice
+        a second, that is worth no disk flush."""
+        p = jobdir.status_file(self.job_dir)
+        tmp = p.with_name(".status.json.tmp")
+        tmp.write_text(json.dumps(self.snapshot(), indent=1))
+        os.replace(tmp, p)
 
     def _write_result(self) -> None:
         res = {"job": self.job_id, "state": self.job.state.value, "exit_code": self.exit_code,
@@ -517,7 +622,7 @@ class Controller:
         try:
             for n in sorted(self.nodes.nodes):
                 self.launcher.start(n)
-            next_ping = next_status = next_req = 0.0
+            next_ping = next_status = next_req = busy_until = 0.0
             ping_seq = 0
             last = time.monotonic()
             while self.exit_code is None:
@@ -525,10 +630,13 @@ class Controller:
                 if now - last > 0.5:
                     self.log.emit("controller_stall", stall_s=round(now - last, 3))
                 last = now
-                if any(jobdir.join_dir(self.job_dir).iterdir()):
-                    self._admit()
+                if self.job.state == JobState.STARTING or now >= next_req:
+                    if any(jobdir.join_dir(self.job_dir).iterdir()):
+                        self._admit()
                 for node, ch in list(self.channels.items()):
                     for m in ch.poll():
+                        if not isinstance(m, Heartbeat):
+                            busy_until = now + mpictl.BUSY_FOR_S
                         self._dispatch(node, m)
                 if self.job.state == JobState.STARTING and now - self.t_start > self.T.admit_timeout_s:
                     missing = sorted(set(self.nodes.nodes) - set(self.channels))
@@ -549,8 +657,12 @@ class Controller:
                     self.swap.tick(now)
                 if self.recovery is not None:
                     self.recovery.tick(now)
+                if self.restart is not None:
+                    self.restart.tick(now)
+                self._check_stragglers(now)
                 self._drive_drains()
                 self._drive_checkpoint()
+                self._replenish()
                 self._drive_stop(now)
                 if self.on_tick is not None:
                     self.on_tick(self)
@@ -560,8 +672,10 @@ class Controller:
                     next_ping = now + self.T.heartbeat_interval_s
                 if now >= next_status:
                     self._write_status()
-                    next_status = now + 0.25
-                time.sleep(0.001)
+                    next_status = now + 0.5
+                busy = (now < busy_until or self.swap or self.recovery or self.restart
+                        or self.job.state in (JobState.STARTING, JobState.STOPPING))
+                time.sleep(mpictl.POLL_BUSY_S if busy else mpictl.POLL_IDLE_S)
         except Exception:
             import traceback
             self.log.emit("controller_error", error=traceback.format_exc()[-3000:])

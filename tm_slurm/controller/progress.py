@@ -15,6 +15,7 @@ class StepRecord:
     loss: float | None
     wall: float           # wall clock at commit
     first: bool           # first step after the rank (re)started
+    busy_s: float = 0.0   # the step function's time outside collectives: its own work
 
 
 class Progress:
@@ -69,6 +70,11 @@ class Progress:
 
     def all_at(self, step: int, ranks) -> bool:
         return all(self.record(r, step) is not None for r in ranks)
+
+    def busy(self, rank: int, last: int) -> list[float]:
+        """Own-work times of the rank's last `last` committed steps (oldest first)."""
+        d = self.by_rank.get(rank, {})
+        return [d[s].busy_s for s in sorted(d)[-last:]]
 
     def losses(self) -> dict[int, float]:
         out = {}

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from .. import jobdir
@@ -70,6 +71,13 @@ class LocalLauncher:
     def release(self, node: str) -> str:
         return "local mode: nothing to give back"
 
+    def replenish(self, ctl) -> str:
+        """One more local "node" for the standby pool: the next free name."""
+        i = len(ctl.nodes.nodes) + 1
+        while f"node{i}" in ctl.nodes.nodes:
+            i += 1
+        return f"node{i}"
+
     def requeue(self) -> None:
         pass
 
@@ -87,9 +95,18 @@ class LocalLauncher:
                 pass
 
 
+def fail(job_dir: Path, node: str, mode: str) -> float:
+    """`tm-slurm fail NODE --mode kill|hang|exit`: record when, then do it. The record lets the
+    controller report how long detection took. Returns the failure's wall time."""
+    t = time.time()
+    fsync_write(jobdir.control_dir(job_dir) / f"injected-{node}.json",
+                json.dumps({"t": t, "mode": mode}).encode())
+    inject(job_dir, node, mode)
+    return t
+
+
 def inject(job_dir: Path, node: str, mode: str) -> float:
-    """`tm-slurm fail NODE --mode kill|hang|exit` in local mode; returns the failure's wall time."""
-    import time
+    """Make a local-mode node fail for real; returns the failure's wall time."""
     try:
         info = json.loads(nodes_file(job_dir).read_text())
     except OSError:

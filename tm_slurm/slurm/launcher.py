@@ -9,6 +9,7 @@ running job at once, SIGKILLing whatever step is left on the removed node.
 """
 from __future__ import annotations
 
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -29,6 +30,8 @@ class SlurmLauncher:
         self.ended: set[str] = set()
         self.released: set[str] = set()
         self.batch_host: str | None = None
+        self.companions: list[str] = []              # companion standby jobs submitted
+        self.companion_nodes: dict[str, str] = {}   # node -> its companion job
 
     def srun_argv(self, node: str) -> list[str]:
         return ["srun", "-N1", "-n1", "-w", node, "--overlap", "--no-kill", "--kill-on-bad-exit=0",
@@ -45,6 +48,8 @@ class SlurmLauncher:
     def admitted(self, node: str, hello) -> None:
         if hello.step:
             self.steps[node] = hello.step
+        if hello.job and hello.job != self.job_id:
+            self.companion_nodes[node] = hello.job
 
     def poll(self) -> list[tuple[str, int]]:
         out = []
@@ -67,8 +72,24 @@ class SlurmLauncher:
         if p is not None and p.poll() is None:
             p.kill()
 
+    def replenish(self, ctl) -> None:
+        """Ask Slurm for one more standby: a one-node companion job whose batch script is an agent
+        (the node's name is known when it says hello). Cancelled when this job ends."""
+        argv = mpictl.mpiexec_argv(agent_argv(self.job_dir, "NODE", self.cfg))
+        wrap = " ".join(shlex.quote(a) for a in argv).replace("NODE", '"$SLURMD_NODENAME"')
+        p = subprocess.run(["sbatch", "--parsable", "-N1", "-n1", f"--job-name=tm-standby-{self.job_id}",
+                            f"--output={jobdir.log_dir(self.job_dir)}/standby-%j.out",
+                            *self.cfg.standby.replenish_sbatch_args, f"--wrap=exec {wrap}"],
+                           env=mpictl.mpi_env(), capture_output=True, text=True, timeout=30)
+        if p.returncode != 0:
+            raise RuntimeError(f"sbatch of a companion standby failed: {p.stderr.strip()}")
+        self.companions.append(p.stdout.strip().split(";")[0])
+
     def release(self, node: str) -> str:
         """Give an evacuated node back to Slurm, so the admin's drain completes (DRAINED)."""
+        if node in self.companion_nodes:
+            subprocess.run(["scancel", self.companion_nodes[node]], capture_output=True, timeout=30)
+            return f"released: companion job {self.companion_nodes[node]} cancelled"
         if node == self.batch_host:
             return "kept: the batch host (the controller runs there) cannot leave the job"
         info = self.backend.job(self.job_id)
@@ -81,6 +102,8 @@ class SlurmLauncher:
         self.backend.requeue(self.job_id)
 
     def stop_all(self, grace: float = 5.0) -> None:
+        if self.companions:
+            subprocess.run(["scancel", *self.companions], capture_output=True, timeout=30)
         for p in self.procs.values():
             if p.poll() is None:
                 p.terminate()               # srun forwards SIGTERM to its step

@@ -41,8 +41,8 @@ def wait_as_standby(w: Worker, build_fn: BuildFn, step_fn: StepFn) -> int:
     while True:
         if msg is None:
             msg = w.inbox.assignments.get()
-        if isinstance(msg, Stop):
-            exit_clean()
+        if isinstance(msg, (Stop, Checkpoint)):
+            exit_clean()                 # the job ends, or its controller is gone: nothing held here
         if (not isinstance(msg, (Prepare, Recover)) or w.node not in msg.plan.joiners
                 or msg.plan.id in w.inbox.cancelled):
             msg = None

@@ -192,7 +192,9 @@ class Worker:
             t0 = time.perf_counter()
             (st.optimizer or st.model).zero_grad(set_to_none=True)
             self.table.broken.clear()
+            self.table.comm_s = 0.0
             loss = step_fn(self.ctx, st, step)
+            busy = time.perf_counter() - t0 - self.table.comm_s   # own work: stragglers show here
             d = self._vote(step)
             if not d.commit:
                 (st.optimizer or st.model).zero_grad(set_to_none=True)
@@ -206,8 +208,9 @@ class Worker:
                 self.table.recorder = None
             now = time.perf_counter()
             lv = float(loss) if isinstance(loss, (torch.Tensor, float, int)) else None
-            # (step, step-to-step s, this step's own compute s, loss, wall time, first after (re)start)
-            self.inbox.progress((step, now - t_prev, now - t0, lv, time.time(), first))
+            # (step, step-to-step s, this step's own time s, loss, wall time, first after a
+            # (re)start, time not spent waiting for others)
+            self.inbox.progress((step, now - t_prev, now - t0, lv, time.time(), first, busy))
             t_prev, first = now, False
             step += 1
             self._boundary(step, d)
@@ -302,9 +305,13 @@ def exit_clean(code: int = 0) -> None:
 def run(build: BuildFn, step: StepFn, steps: int) -> None:
     """Entry point for the user's script (see the README's porting guide)."""
     fd = os.environ.get(ENV_FD)
+    if fd is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        from .plain import run_plain      # launched by torchrun: plain training, no swaps
+        run_plain(build, step, steps)
     if fd is None:
         raise SystemExit("this script runs under tm-slurm: `tm-slurm run --local 4+1 -- python "
-                         f"{sys.argv[0]}` (or inside an sbatch job: see sbatch/train.sbatch)")
+                         f"{sys.argv[0]}` (or inside an sbatch job: see sbatch/train.sbatch); "
+                         "under torchrun it trains without the runtime")
     wire = Wire(socket.socket(fileno=int(fd)))
     try:
         w = Worker(wire)

@@ -1,0 +1,58 @@
+"""The benchmark's accounting on synthetic step logs (no processes, no timing)."""
+import pytest
+
+from tm_slurm.bench import metrics as M
+from tm_slurm.bench.cli import report
+from tm_slurm.bench.runs import Sample
+
+
+def run(n, pace=0.1, gap_after=None, gap=0.0, redo_from=None, t0=100.0):
+    """Steps 0..n-1 at `pace`; after step `gap_after` the job stops for `gap` seconds and, with
+    `redo_from`, resumes from that step (a restart from a checkpoint)."""
+    out, t, s = [], t0, 0
+    while s < n:
+        t += pace
+        out.append(M.Step(s, t, pace))
+        if s == gap_after:
+            t += gap
+            if redo_from is not None:
+                s = redo_from - 1
+            gap_after = None
+        s += 1
+    return out
+
+
+def test_no_interruption_costs_nothing():
+    steps = run(60)
+    dt, d = M.downtime(steps, t_event=steps[20].wall + 0.05)
+    assert dt == pytest.approx(0.0, abs=1e-9) and d["lost_steps"] == 0
+
+
+def test_a_stall_is_counted_once():
+    steps = run(60, gap_after=20, gap=0.7)
+    dt, d = M.downtime(steps, t_event=steps[20].wall + 0.01)
+    assert dt == pytest.approx(0.7) and d["lost_steps"] == 0
+
+
+def test_a_restart_counts_the_gap_and_the_redone_steps():
+    steps = run(80, gap_after=25, gap=5.0, redo_from=20)       # steps 20..25 done twice
+    dt, d = M.downtime(steps, t_event=steps[25].wall + 0.01)
+    assert d["lost_steps"] == 6
+    assert dt == pytest.approx(5.0 + 6 * 0.1)
+
+
+def test_pace_is_the_tail_of_the_run():
+    steps = run(40, pace=0.2)[:20] + [M.Step(s, 104.0 + (s - 19) * 0.1, 0.1) for s in range(20, 60)]
+    assert M.pace(steps) == pytest.approx(0.1)
+
+
+def test_report_ratios_and_overhead():
+    samples = [Sample("planned", "tm_slurm", 0.05, 0, 0.1, "", {}), Sample("planned", "tm_slurm", 0.07, 0, 0.1, "", {}),
+               Sample("planned", "tm_slurm", 0.06, 0, 0.1, "", {}),
+               Sample("planned", "checkpoint-restart", 12.0, 0, 0.1, "", {})]
+    out = report(samples, ["planned"], ["tm_slurm", "checkpoint-restart"], tm_steady=0.101, plain_steady=0.1)
+    r = out["scenarios"]["planned"]
+    assert r["tm_slurm"] == {"downtime_s": 0.06, "min": 0.05, "max": 0.07, "n": 3, "lost_steps": 0,
+                             "steady_step_s": 0.1, "ratio_vs_tm": 1.0}
+    assert r["checkpoint-restart"]["ratio_vs_tm"] == 200.0
+    assert out["steady_overhead"] == pytest.approx(0.01)

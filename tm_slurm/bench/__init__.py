@@ -1,0 +1,1 @@
+"""`tm-slurm bench`: tm_slurm against the alternatives, measured side by side in one run."""

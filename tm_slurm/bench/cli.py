@@ -1,0 +1,115 @@
+"""`tm-slurm bench`: every strategy through the same interruptions, interleaved, repeated."""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from . import runs
+from .metrics import summary
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("bench", help="tm_slurm vs checkpoint-restart and elastic restart, measured")
+    b.add_argument("--quick", action="store_true", help="one repetition, planned and unplanned only")
+    b.add_argument("--json", action="store_true")
+    b.add_argument("--reps", type=int, default=3)
+    b.add_argument("--scenarios", default=",".join(runs.SCENARIOS))
+    b.add_argument("--strategies", default=",".join(runs.STRATEGIES))
+    b.add_argument("--steps", type=int, default=100)
+    b.add_argument("--at-step", type=int, default=30,
+                   help="the interruption comes at this step (or later: once every standby is warm)")
+    b.add_argument("--hang-timeout", type=float, default=30.0,
+                   help="collective timeout: how long a hang lasts for the restart strategies")
+    b.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step (slower steps)")
+    b.add_argument("--out", help="default: ./tm_slurm_jobs/bench-<time>")
+    b.add_argument("--no-plot", action="store_true")
+    b.add_argument("--scaling", action="store_true", help="also: swap cost vs world size")
+    b.set_defaults(fn=main)
+
+
+def main(args) -> int:
+    scenarios = args.scenarios.split(",") if not args.quick else ["planned", "unplanned"]
+    strategies = args.strategies.split(",")
+    bad = [s for s in scenarios if s not in runs.SCENARIOS] + [s for s in strategies if s not in runs.STRATEGIES]
+    if bad:
+        print(f"tm-slurm bench: unknown {bad}; scenarios {runs.SCENARIOS}, strategies {runs.STRATEGIES}",
+              file=sys.stderr)
+        return 2
+    reps = 1 if args.quick else args.reps
+    steps, at = (60, 20) if args.quick else (args.steps, args.at_step)
+    hang = min(args.hang_timeout, 10.0) if args.quick else args.hang_timeout
+    extra = ["--sleep", str(args.sleep)] if args.sleep else []
+    root = Path(args.out or Path.cwd() / "tm_slurm_jobs" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    root.mkdir(parents=True, exist_ok=True)
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True))
+    samples: list[runs.Sample] = []
+    t0 = time.monotonic()
+    for rep in range(reps):
+        for sc in scenarios:
+            # rotate the order each repetition, so slow drift of the machine hits all alike
+            order = strategies[rep % len(strategies):] + strategies[:rep % len(strategies)]
+            for st in order:
+                s = runs.run(root, sc, st, steps, at, hang, extra)
+                samples.append(s)
+                say(f"  [{time.monotonic() - t0:6.0f}s] rep {rep + 1}/{reps} {sc:9s} {st:20s} "
+                    f"downtime {s.downtime_s:7.3f}s  steps redone {s.lost_steps}")
+    say("  steady-state overhead: the same script with and without the runtime ...")
+    plain, tm = [], []
+    for _ in range(max(1, reps)):
+        plain.append(runs.plain_steady(root, steps, extra)[0])
+        tm.append(runs.runtime_steady(root, steps, extra)[0])
+    out = report(samples, scenarios, strategies, statistics.median(tm), statistics.median(plain))
+    out["config"] = {"reps": reps, "steps": steps, "at_step": at, "hang_timeout_s": hang, "node": runs.NODE,
+                     "checkpoint_every": runs.CKPT_EVERY, "model": runs.MODEL, "out": str(root),
+                     "wall_s": round(time.monotonic() - t0, 1)}
+    if args.scaling:
+        from .scaling import swap_scaling
+        out["scaling"] = swap_scaling(root, quick=args.quick)
+    (root / "bench.json").write_text(json.dumps(out, indent=1))
+    if not args.no_plot:
+        from .plot import plot
+        out["plot"] = str(plot(out, samples, root / "bench.png"))
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print(table(out))
+    return 0
+
+
+def report(samples, scenarios, strategies, tm_steady: float, plain_steady: float) -> dict:
+    res: dict = {"scenarios": {}}
+    for sc in scenarios:
+        row = {}
+        for st in strategies:
+            xs = [s for s in samples if s.scenario == sc and s.strategy == st]
+            if not xs:
+                continue
+            d = summary([s.downtime_s for s in xs])
+            row[st] = {"downtime_s": round(d["median"], 4), "min": round(d["min"], 4), "max": round(d["max"], 4),
+                       "n": d["n"], "lost_steps": statistics.median([s.lost_steps for s in xs]),
+                       "steady_step_s": round(statistics.median([s.steady_step_s for s in xs]), 4)}
+        tm = row.get("tm_slurm", {}).get("downtime_s")
+        for st, r in row.items():
+            r["ratio_vs_tm"] = round(r["downtime_s"] / tm, 2) if tm and tm > 0 else None
+        res["scenarios"][sc] = row
+    res["steady_overhead"] = round((tm_steady - plain_steady) / plain_steady, 4)
+    res["steady_step_s"] = {"tm_slurm": round(tm_steady, 5), "plain": round(plain_steady, 5)}
+    return res
+
+
+def table(out: dict) -> str:
+    lines = [f"{'scenario':10s} {'strategy':20s} {'downtime s (median, min-max)':>30s} {'redone':>7s} {'x tm_slurm':>10s}"]
+    for sc, row in out["scenarios"].items():
+        for st, r in row.items():
+            rng = f"{r['downtime_s']:.3f} ({r['min']:.3f}-{r['max']:.3f})"
+            ratio = f"{r['ratio_vs_tm']:.1f}x" if r["ratio_vs_tm"] is not None else "-"
+            lines.append(f"{sc:10s} {st:20s} {rng:>30s} {r['lost_steps']:>7} {ratio:>10s}")
+    s = out["steady_step_s"]
+    lines.append(f"steady step: tm_slurm {s['tm_slurm'] * 1e3:.1f} ms vs plain {s['plain'] * 1e3:.1f} ms: "
+                 f"overhead {out['steady_overhead'] * 100:+.2f}%")
+    if "plot" in out:
+        lines.append(f"plot: {out['plot']}")
+    return "\n".join(lines)

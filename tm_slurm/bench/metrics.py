@@ -1,0 +1,53 @@
+"""What a benchmark run is worth, from its steps log (`steps.jsonl`: step, commit wall time).
+
+downtime: the time the interruption cost the job = (time from the last commit before the event
+  to the commit of the step `window` steps further) minus (those steps at the run's steady
+  pace). A stall, a restart, steps redone from a checkpoint, slow first steps after a cold
+  start: all of it shows up, once, whatever the strategy.
+lost steps: committed steps that had to be done again (the in-flight step of a failure is lost
+  for every strategy and not counted).
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Step:
+    step: int
+    wall: float
+    dur_s: float
+
+
+def pace(steps: list[Step], last: int = 15) -> float:
+    """Median step time over the run's last `last` steps: long after the interruption, on a
+    machine no longer shared with a standby's warm-up (on a cluster it has its own)."""
+    durs = [s.dur_s for s in steps[-last:]]
+    if len(durs) < 3:
+        raise ValueError("too few steps after the interruption to know the steady pace")
+    return statistics.median(durs)
+
+
+def downtime(steps: list[Step], t_event: float, window: int = 15) -> tuple[float, dict]:
+    """`steps` in commit order, possibly across a restart (a step committed twice: redone).
+    Measured from the last commit before the event to the commit `window` steps later, so noise
+    in the pace weighs on `window` steps, not on the whole run."""
+    before = [s for s in steps if s.wall <= t_event]
+    if not before:
+        raise ValueError("the event happened before the first step")
+    p = pace(steps)
+    last = max(before, key=lambda s: (s.step, s.wall))
+    after = [s for s in steps if s.wall > t_event]
+    if not after:
+        raise ValueError("no step committed after the event")
+    target = min(last.step + window, max(s.step for s in after))
+    t_k = max(s.wall for s in after if s.step == target)
+    dt = (t_k - last.wall) - (target - last.step) * p
+    redone = max(0, last.step + 1 - min(s.step for s in after))
+    return dt, {"steady_step_s": p, "event_step": last.step, "window_to_step": target,
+                "lost_steps": redone}
+
+
+def summary(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}

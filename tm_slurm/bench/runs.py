@@ -1,0 +1,154 @@
+"""One benchmark sample: the example job locally, one interruption, one strategy.
+
+tm_slurm             warm general standby (sandbox), two-phase delta swap
+tm_slurm-no-standby  the same swap, but the joiner's process starts only after the event (cold)
+elastic-restart      torchrun-style: every worker restarted in place from the last checkpoint
+                     (the runtime's `recovery.strategy: restart`), a spare node cold
+checkpoint-restart   what `sbatch --requeue` or a restart loop does: the whole job goes down,
+                     a new one starts (fresh processes, every group re-initialised) and resumes
+                     from the last checkpoint (planned: one written on request just before)
+
+A hang is noticed by the restart strategies only when a collective times out (their watchdog is
+the collective timeout); tm_slurm's agents notice a silent node after the heartbeat timeout and
+fence it. Every strategy checkpoints every CKPT_EVERY steps, so they pay the same for it.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import jobdir
+from ..controller.requests import submit
+from ..demo import JobRun
+from . import metrics
+
+STRATEGIES = ("tm_slurm", "tm_slurm-no-standby", "checkpoint-restart", "elastic-restart")
+SCENARIOS = ("planned", "unplanned", "hang")
+NODE = "node2"                     # holds rank 1: first pipeline stage, DP replica 1
+CKPT_EVERY = 10
+MODEL: list[str] = []             # the example job as it is (~0.1-0.2 s a step here)
+
+
+@dataclass(frozen=True)
+class Sample:
+    scenario: str
+    strategy: str
+    downtime_s: float
+    lost_steps: int
+    steady_step_s: float
+    job_dir: str
+    detail: dict
+
+
+def _cold(strategy: str) -> list[str]:
+    return ["standby.prestart=false", "standby.sandbox=false"] if strategy != "tm_slurm" else []
+
+
+def _sets(strategy: str, scenario: str, hang_timeout: float) -> list[str]:
+    s = [f"checkpoint.every_steps={CKPT_EVERY}", f"timeouts.collective_timeout_s={hang_timeout}", *_cold(strategy)]
+    if strategy == "elastic-restart":
+        s.append("recovery.strategy=restart")
+        if scenario == "hang":   # no heartbeat watchdog: the collective timeout is the detector
+            s += [f"timeouts.heartbeat_timeout_s={hang_timeout - 0.5}",
+                  f"timeouts.worker_heartbeat_timeout_s={hang_timeout - 0.5}"]
+    return s
+
+
+def _steps(job: Path) -> list[metrics.Step]:
+    out = []
+    for line in jobdir.steps_file(job).read_text().splitlines():
+        d = json.loads(line)
+        out.append(metrics.Step(d["step"], d["wall"], d["dur_s"]))
+    return sorted(out, key=lambda s: s.wall)
+
+
+def _verb(scenario: str) -> str:
+    return {"planned": "drain", "unplanned": "kill", "hang": "hang"}[scenario]
+
+
+def run(root: Path, scenario: str, strategy: str, steps: int, at_step: int, hang_timeout: float,
+        script_args: list[str] = (), timeout: float = 600) -> Sample:
+    job = root / f"{scenario}-{strategy}-{time.strftime('%H%M%S')}"
+    args = [*MODEL, *script_args]
+    if strategy == "checkpoint-restart":
+        t_event, info = _checkpoint_restart(job, scenario, steps, at_step, hang_timeout, args, timeout)
+    else:
+        r = JobRun(job, "4+1", steps, [(at_step, _verb(scenario), NODE)], script_args=args,
+                   sets=_sets(strategy, scenario, hang_timeout))
+        rc = r.run(timeout)
+        if rc != 0 or not r.done:
+            raise RuntimeError(f"{strategy}/{scenario}: run failed (exit {rc}); see {job}")
+        t_event, info = r.done[0]["t"], {"interruptions": r.result()["interruptions"]}
+    dt, d = metrics.downtime(_steps(job), t_event)
+    return Sample(scenario, strategy, dt, d["lost_steps"], d["steady_step_s"], str(job), {**d, **info})
+
+
+def _checkpoint_restart(job: Path, scenario: str, steps: int, at_step: int, hang_timeout: float,
+                        args: list[str], timeout: float) -> tuple[float, dict]:
+    """Job A until the event; the event takes it down (a crash kills the job; a drain asks for a
+    checkpoint and an exit; a hang kills it when the collective timeout fires); job B, new
+    processes in the same job directory, resumes from the newest valid checkpoint."""
+    sets = [f"checkpoint.every_steps={CKPT_EVERY}", "standby.count=0"]
+    when = {}
+
+    def event(job_dir: Path) -> None:
+        when["t"] = time.time()
+        if scenario == "planned":
+            submit(job_dir, "checkpoint", None, "maintenance: save and restart", exit=True)
+            return
+        from ..launch.local import fail
+        when["t"] = fail(job_dir, NODE, _verb(scenario))
+        if scenario == "hang":
+            time.sleep(hang_timeout)     # until a collective times out and the job dies
+        a.kill()
+
+    a = JobRun(job, "4+0", steps, [(at_step, event, NODE)], script_args=args, sets=sets)
+    rc = a.run(timeout)
+    if "t" not in when or rc == 0:
+        raise RuntimeError(f"checkpoint-restart/{scenario}: job A ended (exit {rc}) before the event; see {job}")
+    b = JobRun(job, "4+0", steps, [], extra_args=["--resume"], script_args=args, sets=sets)
+    rc = b.run(timeout)
+    if rc != 0:
+        raise RuntimeError(f"checkpoint-restart/{scenario}: the restarted job failed (exit {rc}); see {job}")
+    return when["t"], {"first_exit": a.proc.returncode}
+
+
+def plain_steady(root: Path, steps: int, script_args: list[str], timeout: float = 600) -> tuple[float, dict]:
+    """The same script without the runtime, four processes launched like torchrun would."""
+    import os
+    import socket
+    import statistics
+    import subprocess
+    from ..demo import example_paths
+    script, _ = example_paths()
+    out = root / f"plain-{time.strftime('%H%M%S')}"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(4):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="4", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), TM_SLURM_DP="2", TM_SLURM_PP="2", TM_SLURM_PLAIN_OUT=str(out))
+        procs.append(subprocess.Popen([sys.executable, str(script), "--steps", str(steps), *MODEL, *script_args],
+                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    for p in procs:
+        if p.wait(timeout) != 0:
+            raise RuntimeError(f"plain run failed (exit {p.returncode})")
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    per_step = [max(x["step_s"][i] for x in ranks) for i in range(steps)][3:]
+    return statistics.median(per_step), {"digests": {str(x["rank"]): x["digest"] for x in ranks}}
+
+
+def runtime_steady(root: Path, steps: int, script_args: list[str], timeout: float = 600) -> tuple[float, dict]:
+    """The same script under tm-slurm (4 active nodes, no interruption)."""
+    import statistics
+    job = root / f"steady-{time.strftime('%H%M%S')}"
+    r = JobRun(job, "4+0", steps, [], script_args=[*MODEL, *script_args],
+               sets=["standby.count=0", "checkpoint.every_steps=0"])
+    if r.run(timeout) != 0:
+        raise RuntimeError(f"steady run failed; see {job}")
+    # the runtime's own per-step time (compute to commit), like the plain run's
+    return statistics.median([s.dur_s for s in _steps(job)][3:]), {"digests": r.result()["digests"]}

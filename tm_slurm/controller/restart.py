@@ -1,0 +1,126 @@
+"""`recovery.strategy: restart`: what torchrun-style elastic training does on any interruption,
+kept as the baseline the benchmark measures tm_slurm against. Every worker is stopped and started
+again, in place (agents and their nodes stay), all groups are rendezvoused anew, and training
+resumes from a checkpoint: for a planned event one written at the next step boundary, after a
+failure the newest valid periodic one (the steps since are redone). A standby takes the leaving
+or failed node's slot, cold.
+
+checkpointing (planned): the boundary checkpoint is pending; workers write it and exit.
+stopping:  every worker is being killed (after a failure).
+starting:  new workers were launched on every node holding a slot; done when all have started.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from ..comm import vote as votes
+from ..messages import Fence, GroupBuild, Move, Shutdown
+from ..roles import JobState, Role
+from ..worker import checkpoint as ckpt
+
+if TYPE_CHECKING:
+    from .core import Controller
+
+
+class FullRestart:
+    def __init__(self, ctl: "Controller", kind: str, moves: list[Move], reason: str, t_event: float):
+        self.ctl, self.kind, self.moves, self.reason = ctl, kind, list(moves), reason
+        self.t_event = t_event
+        self.t0 = time.monotonic()
+        self.state = ""
+        self.from_step: int | None = None
+        self.aborted_step: int | None = None
+        self.exit_step: int | None = None         # planned: the boundary the checkpoint was taken at
+        self.path: str | None = None
+
+    def _slot_nodes(self) -> set[str]:
+        return set(self.ctl.holder.values())
+
+    # ------------------------------------------------------------ begin
+    def start_planned(self) -> None:
+        ctl = self.ctl
+        for m in self.moves:
+            ctl.nodes.set_role(m.leaver, Role.LEAVING, reason=self.reason)
+            ctl.nodes.set_role(m.joiner, Role.JOINING, reason=self.reason, slot=m.slot)
+        ctl.job.set(JobState.RECOVERING, strategy="restart")
+        votes.set_pending(ctl.store, ctl.gen, checkpoint=f"restart: {self.reason}", exit=True)
+        ctl.log.emit("restart_planned", node=self.moves[0].leaver, reason=self.reason, kind_of="planned")
+        self.state = "checkpointing"
+
+    def start_unplanned(self, aborted_step: int) -> None:
+        ctl = self.ctl
+        self.aborted_step = aborted_step
+        if ctl.job.state != JobState.RECOVERING:
+            ctl.job.set(JobState.RECOVERING, strategy="restart")
+        for m in self.moves:
+            ctl.nodes.set_role(m.joiner, Role.JOINING, reason=self.reason, slot=m.slot)
+        for n in self._slot_nodes() | {m.joiner for m in self.moves}:
+            ctl.send(n, Fence(ctl.gen, "restart everything"))
+        ctl.log.emit("restart_planned", node=self.moves[0].leaver if self.moves else None,
+                     reason=self.reason, kind_of="unplanned", step=aborted_step)
+        self.state = "stopping"
+
+    # ------------------------------------------------------------ progress
+    def _all_exited(self) -> bool:
+        live = self._slot_nodes() | {m.joiner for m in self.moves}
+        ctl = self.ctl
+        for n in live:
+            if ctl.nodes.nodes[n].role == Role.FAILED:
+                continue
+            for w in ctl.workers.get(n, {}).values():
+                if (n, w.local) not in ctl.exited:
+                    return False
+        return True
+
+    def tick(self, now: float) -> None:
+        ctl = self.ctl
+        if self.state == "checkpointing":
+            if self.exit_step in ctl.checkpoints_done and self._all_exited():
+                self.from_step = self.exit_step
+                self.path = str(ckpt.step_dir(ckpt.root(ctl.cfg, ctl.job_dir), self.from_step))
+                self.relaunch()
+        elif self.state == "stopping" and (self._all_exited() or now - self.t0 > ctl.T.shutdown_s):
+            found, rejected = ckpt.latest_valid(ckpt.root(ctl.cfg, ctl.job_dir), ctl.topo)
+            for s, why in rejected:
+                ctl.log.emit("checkpoint_rejected", step=s, why=why)
+            self.from_step, self.path = (found[0], str(found[1])) if found else (0, None)
+            self.relaunch()
+        elif self.state == "starting" and all(r in ctl.started for r in range(ctl.topo.world)):
+            self.finish()
+
+    def relaunch(self) -> None:
+        ctl = self.ctl
+        gen = ctl.new_gen()
+        ctl.gen = ctl.log.gen = gen
+        for m in self.moves:
+            for r in ctl.topo.slot_ranks(m.slot):
+                ctl.holder[r] = m.joiner
+            if ctl.nodes.nodes[m.leaver].role == Role.LEAVING:
+                ctl.nodes.set_role(m.leaver, Role.RELEASED, reason=self.reason)
+                ctl.send(m.leaver, Shutdown("evacuated"))
+                ctl.release(m.leaver, "evacuated (restart)")
+            ctl.nodes.set_role(m.joiner, Role.ACTIVE, reason="restart", slot=m.slot)
+        ctl.groups = {g.id: GroupBuild(g.id, g.members, f"r{gen}/{g.id}") for g in ctl.topo.groups}
+        ctl.resume_checkpoint, ctl.start_step = self.path, self.from_step or 0
+        ctl.started.clear()
+        ctl.exited.clear()
+        for n in sorted(set(ctl.holder.values())):
+            ctl.send(n, ctl._launch_msg(n))
+        self.t_launch = time.monotonic()
+        self.state = "starting"
+
+    def finish(self) -> None:
+        ctl = self.ctl
+        ctl.job.set(JobState.RUNNING, strategy="restart")
+        lost = None if self.aborted_step is None else self.aborted_step - (self.from_step or 0) + 1
+        rec = {"kind": self.kind, "node": self.moves[0].leaver if self.moves else None,
+               "joiners": [m.joiner for m in self.moves], "strategy": "restart",
+               "resume_step": self.from_step, "lost_steps": lost if lost is not None else 0,
+               "phases": {"stop_s": round(self.t_launch - self.t0, 4),
+                          "start_s": round(time.monotonic() - self.t_launch, 4)},
+               "stall_s": None}
+        ctl.log.emit("restart_complete", node=rec["node"], step=self.from_step,
+                     **{k: v for k, v in rec.items() if k not in ("node", "kind")})
+        ctl.interruptions.append(rec)
+        ctl.restart = None

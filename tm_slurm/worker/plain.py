@@ -1,0 +1,70 @@
+"""The same script without the runtime: launched by torchrun (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT set), `tm_slurm.run` trains with plain torch.distributed groups (built by the same
+code), no vote, no agent, no swaps. This is the baseline of the steady-state overhead benchmark,
+and a way to debug a ported script without tm-slurm. Layout: TM_SLURM_DP / _PP / _TP
+(default: all data parallel). Writes per-step times and the final digest to $TM_SLURM_PLAIN_OUT.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..comm.groups import build_group, pick_backend
+from ..comm.handles import GroupTable
+from ..config import Layout
+from ..data import key
+from ..messages import GroupBuild
+from ..topology import Topology
+from .context import make_context
+from .state import digest
+
+
+def _raise(gid, e):
+    raise RuntimeError(f"collective on {gid} failed (plain mode has no recovery): {e}") from e
+
+
+def run_plain(build, step, steps: int) -> None:
+    env = os.environ
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    lay = Layout(dp=int(env.get("TM_SLURM_DP", world)), pp=int(env.get("TM_SLURM_PP", 1)),
+                 tp=int(env.get("TM_SLURM_TP", 1)))
+    if lay.world != world:
+        raise SystemExit(f"TM_SLURM_DP x PP x TP = {lay.world} but WORLD_SIZE = {world}")
+    topo = Topology(lay)
+    device = torch.device("cuda", int(env.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=rank == 0,
+                          timeout=timedelta(seconds=300))
+    table = GroupTable(_raise, op_timeout=300)
+    for g in sorted(topo.groups_of(rank), key=lambda g: g.id):
+        table.swap({g.id: build_group(store, GroupBuild(g.id, g.members, f"plain/{g.id}"), g.members.index(rank),
+                                      device=device, backend=pick_backend("auto", device), timeout=300,
+                                      iface=env.get("TM_SLURM_IFACE", "127.0.0.1"))})
+    ctx = make_context(topo, rank, table, device, int(env.get("TM_SLURM_SEED", 0)))
+    st = build(ctx)
+    times = []
+    t_prev = time.perf_counter()
+    for i in range(steps):
+        torch.manual_seed(key(ctx.seed, i, rank))
+        (st.optimizer or st.model).zero_grad(set_to_none=True)
+        step(ctx, st, i)
+        if st.optimizer is not None:
+            st.optimizer.step()
+        if st.scheduler is not None:
+            st.scheduler.step()
+        now = time.perf_counter()
+        times.append(now - t_prev)          # step to step, as the runtime measures its steps
+        t_prev = now
+    out = env.get("TM_SLURM_PLAIN_OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "step_s": times,
+                                                                "digest": digest(st)}))
+    store.set(f"done{rank}", "1")
+    store.wait([f"done{r}" for r in range(world)])   # rank 0 hosts the store: it leaves last
+    os._exit(0)
