@@ -95,6 +95,22 @@ def test_evacuate_moves_the_job_off_and_the_node_ends_drained(submit, minicluste
           f"after it was written; stall {done['stall_s']} s")
 
 
+def test_evacuate_reports_a_plain_job_and_leaves_the_drain_in_place(healthy_cluster, tm_cli, tmp_path):
+    p = subprocess.run(["sbatch", "--parsable", "-w", "node4", "-t", "5", f"--output={tmp_path}/%j.out",
+                        "--wrap", "sleep 120"], env=healthy_cluster.env(), capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    plain = p.stdout.strip().split(";")[0]
+    healthy_cluster.wait_state("node4", lambda s: s.startswith(("MIXED", "ALLOCATED")), 30)
+    p = subprocess.run([str(tm_cli), "evacuate", "node4", "--reason", "maint", "--deadline", "2"],
+                       env=healthy_cluster.env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert f"job {plain} (root): still running on node4: not a tm_slurm job: the drain waits for it to end" in p.stdout
+    assert "the drain stays in place" in p.stdout
+    assert "DRAIN" in healthy_cluster.node_state("node4")
+    healthy_cluster.run(["scancel", plain])
+    healthy_cluster.wait_state("node4", lambda s: s.startswith("IDLE") and "DRAIN" in s, 30)
+
+
 def _tm_triggers(mc) -> list[str]:
     out = mc.run(["strigger", "--get", "--noheader"], capture_output=True, text=True).stdout
     return [ln.split()[0] for ln in out.splitlines() if "tm-slurm-trigger" in ln]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -20,14 +19,17 @@ from .. import config as cfgmod
 from .. import jobdir
 from ..comm import vote as votes
 from ..control import mpi as mpictl
-from ..events import EventLog, fsync_write
+from ..events import EventLog
 from ..messages import (AgentBye, Fence, Heartbeat, Hello, Launch, Move, Ping, Shutdown, SwapPlan,
                         WorkerExited, WorkerReport, WorkerSuspect)
-from ..planner import check_drain, choose_joiner, initial_builds, plan_planned, straggler
+from ..planner import choose_joiner, initial_builds
 from ..roles import JobState, JobStatus, NodeTable, Role
 from ..topology import Topology
-from ..worker import checkpoint as ckpt
 from .progress import Progress
+from .intake import Intake
+from .ending import Ending
+from .pool import Pool
+from .records import Records
 from .recovery import Recovery
 from .restart import FullRestart
 from .requests import Inbox as RequestInbox, Request, slurm_user_uid
@@ -78,26 +80,20 @@ class Controller:
         self.recovery: Recovery | None = None
         self.restart: FullRestart | None = None
         self.interruptions: list[dict] = []
-        self.wanted_drains: dict[str, Request] = {}
-        self.deferred_drains: set[str] = set()
-        self.wanted_checkpoint: Request | None = None
         self.checkpoints_done: set[int] = set()
         self.resume_checkpoint = resume_checkpoint
         self.start_step = 0
         self.total_steps: int | None = None
         self.requeue_code = REQUEUE_EXIT
-        self._stopping: dict | None = None
+        self.ending: Ending | None = None
         self.exit_code: int | None = None
         self._agents_gone: set[str] = set()
         allowed = {os.getuid(), 0} | ({u} if (u := slurm_user_uid()) is not None else set())
         self.requests = RequestInbox(self.job_dir, allowed)
-        self._steps_logged: dict[int, float] = {}
-        self._steps_f = open(jobdir.steps_file(self.job_dir), "a", buffering=1)
+        self.records = Records(self)
         self.time_limit_signal = False
-        self._last_watch_error = None
-        self.replenishing = 0                  # companion standbys asked for, not yet joined
-        self.holder_since: dict[str, int] = {n: 0 for n in self.holder.values()}
-        self._next_straggler_check = 0.0
+        self.intake = Intake(self)
+        self.pool = Pool(self)
 
     # ------------------------------------------------------------ helpers used by swap/recovery
     def new_gen(self) -> int:
@@ -122,7 +118,7 @@ class Controller:
         self.log.gen = plan.gen_to
         since = (self.committed_step() or 0) + 1
         for m in plan.moves:
-            self.holder_since[m.joiner] = since
+            self.pool.holder_since[m.joiner] = since
             for r in self.topo.slot_ranks(m.slot):
                 self.holder[r] = m.joiner
         for b in plan.builds:
@@ -165,9 +161,8 @@ class Controller:
                 hello = next((m for m in ch.poll() if isinstance(m, Hello)), None)
                 time.sleep(0.001)
             node = hello.node if hello else f.name
-            if hello and node not in self.nodes.nodes and self.replenishing > 0:
-                self.replenishing -= 1           # a companion job's node: a new standby
-                self.nodes.add(node, Role.STANDBY)
+            if hello and node not in self.nodes.nodes and self.pool.joined(node):
+                self.nodes.add(node, Role.STANDBY)   # a companion job's node: a new standby
                 self.log.emit("standby_joined", node=node, host=hello.host)
             n = self.nodes.nodes.get(node)
             if hello is None or n is None or n.role in (Role.FAILED, Role.RELEASED) or node in self.channels:
@@ -193,7 +188,7 @@ class Controller:
             for w in m.workers:
                 if w.rank is not None and w.progress:
                     self.progress.add(w.rank, w.progress)
-                    self._log_steps(e[0] for e in w.progress)
+                    self.records.steps(e[0] for e in w.progress)
         elif isinstance(m, WorkerReport):
             self.last_hb[node] = time.monotonic()
             self._report(node, m.local, m.report)
@@ -225,7 +220,7 @@ class Controller:
             if data.get("path"):
                 self.log.emit("checkpoint_saved", node=node, rank=rank, step=step,
                               reason=data.get("reason"), save_s=round(data.get("save_s", 0), 4))
-            self._maybe_prune(step)
+            self.records.checkpoint_written(step)
         elif kind == "finished":
             self.finished[rank] = data["digest"]
             if len(self.finished) == self.topo.world:
@@ -242,31 +237,16 @@ class Controller:
             self.swap.on_report(node, kind, rank, step, data)
         if self.recovery is not None:
             self.recovery.on_report(node, kind, rank, step, data, rep.gen)
-        if kind == "aborted" and self.recovery is None and self.restart is None and self._stopping is None:
+        if kind == "aborted" and self.recovery is None and self.restart is None and self.ending is None:
             # a rank aborted a step on its own (it saw a collective fail); who failed is decided
             # by the detectors below, but the recovery starts collecting now
             self._begin_recovery(rep.gen, step, data.get("t", time.time()))
             self.recovery.on_report(node, kind, rank, step, data, rep.gen)
 
-    def _log_steps(self, steps) -> None:
-        """`steps.jsonl`: one line per step once every rank has committed it (again, after a
-        rollback): progress over time, for users, `tm-slurm report` and the benchmark."""
-        for s in sorted(set(steps)):
-            recs = [self.progress.record(r, s) for r in range(self.topo.world)]
-            if None in recs:
-                continue
-            wall = max(r.wall for r in recs)
-            if self._steps_logged.get(s, -1.0) >= wall:
-                continue
-            self._steps_logged[s] = wall
-            loss = next((r.loss for r in recs if r.loss is not None), None)
-            self._steps_f.write(json.dumps({"step": s, "wall": round(wall, 6), "gen": self.gen, "loss": loss,
-                                            "dur_s": round(max(r.dur_s for r in recs), 6)}) + "\n")
-
     def _worker_exited(self, m: WorkerExited) -> None:
         self.exited.add((m.node, m.local))
         n = self.nodes.nodes[m.node]
-        expected = (self._stopping is not None or self.restart is not None
+        expected = (self.ending is not None or self.restart is not None
                     or n.role in (Role.LEAVING, Role.RELEASED, Role.FAILED)
                     or (m.rc == 0 and m.rank in self.finished))
         self.log.emit("worker_exit", node=m.node, rank=m.rank, rc=m.rc, pid=m.pid, expected=expected)
@@ -284,7 +264,7 @@ class Controller:
         if n.role == Role.LEAVING and (self.swap is None or self.swap.state in ("switched",)):
             self.nodes.set_role(node, Role.RELEASED, reason="evacuated")
             self.release(node, why)
-        elif n.role in (Role.ACTIVE, Role.STANDBY, Role.JOINING, Role.LEAVING) and self._stopping is None:
+        elif n.role in (Role.ACTIVE, Role.STANDBY, Role.JOINING, Role.LEAVING) and self.ending is None:
             self.fail(node, "agent_exit", why=why)
 
     def release(self, node: str, why: str) -> None:
@@ -326,7 +306,7 @@ class Controller:
         if self.job.state == JobState.STARTING and involved:
             self.stop(f"{node} failed before training started ({how})", JobState.FAILED, code=1)
             return
-        if self._stopping is not None or not involved:
+        if self.ending is not None or not involved:
             if self.swap is not None and node in self.swap.plan.joiners:
                 self.swap.cancel(f"joiner {node} failed ({how})")
             return
@@ -387,29 +367,8 @@ class Controller:
         if self.job.state != JobState.RECOVERING:
             self.job.set(JobState.RECOVERING, step=step)
 
-    def _watch(self) -> None:
-        held = [n for n, x in self.nodes.nodes.items() if x.role not in (Role.FAILED, Role.RELEASED)]
-        evs, errs = self.watcher.poll(held)
-        for e in errs:
-            if e != self._last_watch_error:
-                self.log.emit("slurm_query_failed", error=e[:500])
-            self._last_watch_error = e
-        for ev, t_seen, query_s in evs:
-            n = self.nodes.nodes.get(ev.node)
-            self.log.emit("slurm_event", node=ev.node, cause=ev.cause, planned=ev.planned,
-                          reason=ev.reason, since=ev.since, role=n.role.value if n else None,
-                          seen_after_s=round(t_seen - ev.since, 3) if ev.since else None,
-                          query_s=round(query_s, 4))
-            if n is None or n.role in (Role.FAILED, Role.RELEASED):
-                continue
-            if ev.planned:
-                self.handle_request(Request("drain", ev.node, f"slurm {ev.cause}: {ev.reason}",
-                                            ev.since or t_seen, 0, "", {"cause": ev.cause}))
-            else:
-                self.fail(ev.node, f"slurm_{ev.cause}", reason=ev.reason)
-
     def _check_liveness(self, now: float) -> None:
-        if self._stopping is not None:
+        if self.ending is not None:
             return                     # agents are going away on purpose
         for node, ch in list(self.channels.items()):
             if ch.broken and node not in self._agents_gone:
@@ -422,194 +381,18 @@ class Controller:
         for node, rc in self.launcher.poll():
             self._agent_gone(node, f"agent process ended rc={rc}")
 
-    # ------------------------------------------------------------ requests
-    def _requests(self) -> None:
-        ok, refused = self.requests.poll()
-        for name, uid, why in refused:
-            self.log.emit("request_refused", file=name, uid=uid, why=why)
-        for r in ok:
-            self.log.emit("request", verb=r.verb, node=r.node, reason=r.reason, uid=r.uid,
-                          age_s=round(time.time() - r.t, 4), **r.extra)
-            self.handle_request(r)
-
-    def handle_request(self, r: Request) -> None:
-        if r.verb == "drain":
-            why = check_drain(self.nodes.nodes, r.node)
-            if why:
-                self.log.emit("request_rejected", node=r.node, why=why)
-                return
-            self.wanted_drains.setdefault(r.node, r)
-        elif r.verb == "checkpoint":
-            self.wanted_checkpoint = r
-        elif r.verb == "stop":
-            self.abort_and_stop(r.reason or "stop requested")
-
-    def _drive_drains(self) -> None:
-        if self.swap or self.recovery or self.restart or self._stopping is not None:
-            return
-        if self.job.state != JobState.RUNNING or self.committed_step() is None:
-            return
-        for node, req in sorted(self.wanted_drains.items()):
-            n = self.nodes.nodes.get(node)
-            if n is None or n.role in (Role.FAILED, Role.RELEASED):
-                del self.wanted_drains[node]
-                continue
-            if n.role == Role.STANDBY:
-                del self.wanted_drains[node]
-                self.send(node, Shutdown(f"drained: {req.reason}"))
-                self.nodes.set_role(node, Role.RELEASED, reason=f"drained standby: {req.reason}")
-                self.release(node, "standby drained")
-                continue
-            joiner = choose_joiner(self.nodes.nodes.values())
-            if joiner is None:
-                if node not in self.deferred_drains:
-                    self.deferred_drains.add(node)
-                    self.log.emit("drain_deferred", node=node, why="no READY standby")
-                continue
-            del self.wanted_drains[node]
-            self.deferred_drains.discard(node)
-            if self.cfg.recovery.strategy == "restart":
-                self.restart = FullRestart(self, "planned", [Move(n.slot, node, joiner)],
-                                           req.reason or "drain", req.t)
-                self.restart.start_planned()
-                return
-            self.plan_seq += 1
-            plan = plan_planned(self.topo, self.plan_seq, self.gen, self.new_gen(),
-                                [Move(n.slot, node, joiner)], reason=req.reason or req.verb)
-            self.swap = PlannedSwap(self, plan, req)
-            self.swap.start()
-            return
-
-    def _replenish(self) -> None:
-        """Keep `standby.replenish_target` standbys: ask the launcher for more (a companion job
-        under Slurm, one more local node locally); they join like any agent and warm up."""
-        cfg = self.cfg.standby
-        if not cfg.replenish or self._stopping is not None or self.job.state == JobState.STARTING:
-            return
-        pool = len(self.nodes.with_role(Role.STANDBY)) + self.replenishing
-        if pool >= cfg.replenish_target:
-            return
-        name = self.launcher.replenish(self)
-        if name is None:                          # Slurm: the node is known when it says hello
-            self.replenishing += 1
-        else:
-            self.nodes.add(name, Role.STANDBY)
-            self.launcher.start(name)
-        self.log.emit("replenish_requested", node=name, pool=pool, target=cfg.replenish_target,
-                      via=self.launcher.kind)
-
-    def _check_stragglers(self, now: float) -> None:
-        """A node persistently slower than its peers (own work per step, outside collectives)
-        is migrated like a planned event."""
-        sc = self.cfg.straggler
-        if (not sc.enabled or now < self._next_straggler_check or self.swap or self.recovery
-                or self.restart or self.job.state != JobState.RUNNING or self.wanted_drains):
-            return
-        self._next_straggler_check = now + 1.0
-        busy = {}
-        for n in {h for h in self.holder.values()}:
-            since = self.holder_since.get(n, 0)
-            per_step = {}
-            for r in self.topo.slot_ranks(self.nodes.nodes[n].slot):
-                for s, rec in self.progress.by_rank.get(r, {}).items():
-                    if s >= since:
-                        per_step[s] = max(per_step.get(s, 0.0), rec.busy_s)
-            busy[n] = [per_step[s] for s in sorted(per_step)]
-        found = straggler(busy, sc.margin, sc.window_steps)
-        if found:
-            node, slower = found
-            self.log.emit("straggler", node=node, slower_by=round(slower, 3), window=sc.window_steps)
-            self.handle_request(Request("drain", node, f"straggler: {slower:.0%} slower than its peers",
-                                        time.time(), os.getuid(), "", {"cause": "straggler"}))
-
-    def _drive_checkpoint(self) -> None:
-        r = self.wanted_checkpoint
-        if r is None or self.swap or self.recovery or self.restart or self._stopping:
-            return
-        self.wanted_checkpoint = None
-        exit_after = bool(r.extra.get("exit", False))
-        votes.set_pending(self.store, self.gen, checkpoint=r.reason or "requested", exit=exit_after)
-        self.log.emit("checkpoint_requested", reason=r.reason, exit=exit_after)
-        if exit_after:
-            self.stop(r.reason or "checkpoint and exit", JobState.REQUEUED, code=self.requeue_code,
-                      wait_workers=True)
-
-    def _maybe_prune(self, step) -> None:
-        root = ckpt.root(self.cfg, self.job_dir)
-        d = ckpt.step_dir(root, step)
-        if step not in self.checkpoints_done and d.exists() and not ckpt.bad_shards(d, self.topo):
-            self.checkpoints_done.add(step)
-            self.log.emit("checkpoint_complete", step=step, path=str(d))
-            gone = ckpt.prune(root, self.topo, self.cfg.checkpoint.keep)
-            if gone:
-                self.log.emit("checkpoint_pruned", steps=gone)
-
     # ------------------------------------------------------------ stopping
     def abort_and_stop(self, why: str) -> None:
         self.abort_in_flight(why)
         self.stop(why, JobState.FAILED if why.startswith("unrecoverable") else JobState.FINISHED, code=1)
 
     def stop(self, why: str, final: JobState, code: int, wait_workers: bool = False) -> None:
-        if self._stopping is not None:
+        if self.ending is not None:
             return
         if self.swap is not None and self.swap.state == "switched" and self.swap.joined:
             self.swap.finish()           # the job ended inside the measuring window
         self.job.set(JobState.STOPPING, why=why)
-        self._stopping = {"why": why, "final": final, "code": code, "wait": wait_workers,
-                          "t": time.monotonic(), "shutdown_sent": False}
-
-    def _drive_stop(self, now: float) -> None:
-        s = self._stopping
-        if s is None:
-            return
-        if s["wait"] and not s["shutdown_sent"]:
-            live = [(n, r) for r, n in self.holder.items()
-                    if self.nodes.nodes[n].role == Role.ACTIVE and n not in self._agents_gone]
-            busy = [nr for nr in live if (nr[0], self.topo.slot_ranks(self.nodes.nodes[nr[0]].slot)
-                                          .index(nr[1])) not in self.exited]
-            if busy and now - s["t"] < self.T.shutdown_s * 3:
-                return
-        if not s["shutdown_sent"]:
-            s["shutdown_sent"] = True
-            s["t_shutdown"] = now
-            self.broadcast(Shutdown(s["why"]))
-        alive = [n for n in self.channels if n not in self._agents_gone]
-        if alive and now - s["t_shutdown"] < self.T.shutdown_s + 2:
-            return
-        self.job.set(s["final"], why=s["why"])
-        self.exit_code = s["code"]
-
-    # ------------------------------------------------------------ status
-    def snapshot(self) -> dict:
-        nodes = {}
-        for name, n in sorted(self.nodes.nodes.items()):
-            ranks = sorted(r for r, h in self.holder.items() if h == name) if n.role in (
-                Role.ACTIVE, Role.LEAVING) else []
-            ws = [{"local": w.local, "pid": w.pid, "rank": w.rank, "step": w.step, "alive": w.alive}
-                  for w in self.workers.get(name, {}).values()]
-            nodes[name] = {"role": n.role.value, "ready": n.ready, "ranks": ranks, "slot": n.slot,
-                           "host": n.host, "workers": ws}
-        return {"job": self.job_id, "state": self.job.state.value, "generation": self.gen,
-                "committed_step": self.committed_step(), "nodes": nodes, "pid": os.getpid(),
-                "swap": None if self.swap is None else {"plan": self.swap.plan.id, "state": self.swap.state},
-                "recovery": None if self.recovery is None else {"state": self.recovery.state,
-                                                                 "step": self.recovery.step},
-                "interruptions": self.interruptions, "updated": time.time()}
-
-    def _write_status(self) -> None:
-        """Atomic (readers never see half a file) but not fsynced: a snapshot, rewritten twice
-        a second, that is worth no disk flush."""
-        p = jobdir.status_file(self.job_dir)
-        tmp = p.with_name(".status.json.tmp")
-        tmp.write_text(json.dumps(self.snapshot(), indent=1))
-        os.replace(tmp, p)
-
-    def _write_result(self) -> None:
-        res = {"job": self.job_id, "state": self.job.state.value, "exit_code": self.exit_code,
-               "digests": {str(r): d for r, d in sorted(self.finished.items())},
-               "interruptions": self.interruptions, "steady_step_s": self.progress.steady(),
-               "losses": self.progress.losses(), "generation": self.gen}
-        fsync_write(jobdir.result_file(self.job_dir), json.dumps(res, indent=1).encode())
+        self.ending = Ending(why, final, code, wait_workers, time.monotonic())
 
     # ------------------------------------------------------------ loop
     def run(self) -> int:
@@ -645,25 +428,25 @@ class Controller:
                               JobState.FAILED, code=1)
                 self._check_liveness(now)
                 if now >= next_req:
-                    self._requests()
+                    self.intake.poll_requests()
                     next_req = now + 0.05
                 if self.watcher is not None:
-                    self._watch()
+                    self.intake.poll_watcher()
                 if self.time_limit_signal:
                     self.time_limit_signal = False
-                    self.handle_request(Request("checkpoint", None, "time limit (SIGUSR1)", time.time(),
-                                                os.getuid(), "", {"exit": True}))
+                    self.intake.handle(Request("checkpoint", None, "time limit (SIGUSR1)", time.time(),
+                                               os.getuid(), "", {"exit": True}))
                 if self.swap is not None:
                     self.swap.tick(now)
                 if self.recovery is not None:
                     self.recovery.tick(now)
                 if self.restart is not None:
                     self.restart.tick(now)
-                self._check_stragglers(now)
-                self._drive_drains()
-                self._drive_checkpoint()
-                self._replenish()
-                self._drive_stop(now)
+                self.pool.check_stragglers(now)
+                self.intake.drive()
+                self.pool.replenish()
+                if self.ending is not None:
+                    self.ending.drive(self, now)
                 if self.on_tick is not None:
                     self.on_tick(self)
                 if now >= next_ping:
@@ -671,7 +454,7 @@ class Controller:
                     self.broadcast(Ping(ping_seq, time.time()))
                     next_ping = now + self.T.heartbeat_interval_s
                 if now >= next_status:
-                    self._write_status()
+                    self.records.write_status()
                     next_status = now + 0.5
                 busy = (now < busy_until or self.swap or self.recovery or self.restart
                         or self.job.state in (JobState.STARTING, JobState.STOPPING))
@@ -682,8 +465,8 @@ class Controller:
             self.exit_code = 1
             raise
         finally:
-            self._write_status()
-            self._write_result()
+            self.records.write_status()
+            self.records.write_result()
             self.log.emit("job_end", state=self.job.state.value, exit_code=self.exit_code)
             if self.watcher is not None:
                 self.watcher.stop()
@@ -701,6 +484,3 @@ class Controller:
         except Exception as e:
             self.log.emit("requeue_failed", error=str(e)[:500])
 
-
-def default_host() -> str:
-    return socket.gethostname()

@@ -176,7 +176,7 @@ class Recovery:
         ctl.broadcast(ToWorkers(Resume(plan.id, plan.gen_to)))
         ctl.adopt(plan)
         for m in plan.moves:
-            ctl.holder_since[m.joiner] = plan.resume_step
+            ctl.pool.holder_since[m.joiner] = plan.resume_step
         for m in plan.moves:
             ctl.nodes.set_role(m.joiner, Role.ACTIVE, reason="recovered", plan=plan.id, slot=m.slot)
         ctl.job.set(JobState.RUNNING, plan=plan.id)

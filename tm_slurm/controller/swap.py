@@ -172,7 +172,7 @@ class PlannedSwap:
         for m in plan.moves:
             if ctl.nodes.nodes[m.leaver].role == Role.LEAVING:
                 ctl.nodes.set_role(m.leaver, Role.ACTIVE, reason="swap cancelled", plan=plan.id)
-                ctl.wanted_drains.setdefault(m.leaver, self.request)   # still to be drained
+                ctl.intake.wanted_drains.setdefault(m.leaver, self.request)   # still to be drained
             if ctl.nodes.nodes[m.joiner].role == Role.JOINING:
                 ctl.nodes.set_role(m.joiner, Role.STANDBY, reason="swap cancelled", plan=plan.id)
         if ctl.job.state == JobState.SWAPPING:
