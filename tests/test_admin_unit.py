@@ -19,7 +19,7 @@ from tm_slurm.slurm.backend import NodeState
 # ---------------------------------------------------------------- helpers
 
 def tm_job(tmp_path: Path, job_id: str, nodes, roles: dict[str, str] | None = None,
-           batch: str = "node1", user: str = "alice") -> RunningJob:
+           user: str = "alice") -> RunningJob:
     """A running tm_slurm job: job directory with its request inbox and a status.json."""
     d = tmp_path / "tm_slurm_jobs" / job_id
     jobdir.requests_dir(d)
@@ -27,11 +27,11 @@ def tm_job(tmp_path: Path, job_id: str, nodes, roles: dict[str, str] | None = No
         jobdir.status_file(d).write_text(json.dumps(
             {"state": "RUNNING", "nodes": {n: {"role": r, "ready": True, "ranks": []} for n, r in roles.items()}}))
     jobdir.events_file(d).touch()
-    return RunningJob(job_id, user, tuple(nodes), batch, str(tmp_path))
+    return RunningJob(job_id, user, tuple(nodes), str(tmp_path))
 
 
 def plain_job(tmp_path: Path, job_id: str, nodes, user: str = "bob") -> RunningJob:
-    return RunningJob(job_id, user, tuple(nodes), nodes[0], str(tmp_path / "elsewhere"))
+    return RunningJob(job_id, user, tuple(nodes), str(tmp_path / "elsewhere"))
 
 
 def requests_of(job: RunningJob) -> list[dict]:
@@ -80,12 +80,12 @@ class Clock:
 # ---------------------------------------------------------------- squeue and discovery
 
 def test_parse_squeue_keeps_separators_in_the_workdir_and_expands_nodes():
-    out = ("70012|alice|node1|node[1-3,5]|/home/alice/run|with bar\n"
-           "70013_4|bob|node4|node4|/scratch/bob\n"
+    out = ("70012|alice|node[1-3,5]|/home/alice/run|with bar\n"
+           "70013_4|bob|node4|/scratch/bob\n"
            "\n"
            "garbage line\n")
     jobs = admin.parse_squeue(out)
-    assert jobs[0] == RunningJob("70012", "alice", ("node1", "node2", "node3", "node5"), "node1",
+    assert jobs[0] == RunningJob("70012", "alice", ("node1", "node2", "node3", "node5"),
                                  "/home/alice/run|with bar")
     assert jobs[1].job_id == "70013_4" and jobs[1].nodes == ("node4",)
     assert len(jobs) == 2
@@ -96,7 +96,7 @@ def test_running_jobs_asks_squeue_for_running_jobs_on_the_nodes():
 
     def run(argv, **kw):
         seen["argv"] = argv
-        return subprocess.CompletedProcess(argv, 0, "1|u|n1|n1|/w\n", "")
+        return subprocess.CompletedProcess(argv, 0, "1|u|n1|/w\n", "")
 
     assert admin.running_jobs(["node3", "node2"], run=run)[0].job_id == "1"
     assert "--states=RUNNING" in seen["argv"] and "--nodelist=node[2-3]" in seen["argv"]
@@ -122,7 +122,7 @@ def test_running_jobs_errors_say_what_failed():
 def test_a_job_dir_marks_a_tm_slurm_job(tmp_path):
     assert tm_job(tmp_path, "7", ["node1"]).job_dir == tmp_path / "tm_slurm_jobs" / "7"
     assert plain_job(tmp_path, "8", ["node1"]).job_dir is None
-    assert RunningJob("9", "u", ("n",), "n", "").job_dir is None
+    assert RunningJob("9", "u", ("n",), "").job_dir is None
 
 
 def test_affected_uses_the_allocation_and_the_jobs_own_view(tmp_path):
@@ -255,7 +255,7 @@ def test_evacuate_counts_a_job_that_left_or_ended(tmp_path):
     e = ev.Evacuation(["node3"], "maint", 5, backend=slurm, list_jobs=lambda n: list(running),
                       clock=clock, sleep=clock.sleep)
     e.start()
-    running[:] = [RunningJob("7", "alice", ("node1",), "node1", left.workdir)]   # shrunk; 8 is gone
+    running[:] = [RunningJob("7", "alice", ("node1",), left.workdir)]   # shrunk; 8 is gone
     slurm.states["node3"] = "IDLE+DRAIN"
     assert e.poll()
     st = {j["job_id"]: j["nodes"]["node3"]["status"] for j in e.report()["jobs"]}

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from tm_slurm import sim
+from tm_slurm import sim, sim_cli
 
 
 def _cli(argv, capsys):
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="verb")
-    sim.add_parser(sub)
+    sim_cli.add_parser(sub)
     args = ap.parse_args(["sim", *argv])
     rc = args.fn(args)
     out = capsys.readouterr()

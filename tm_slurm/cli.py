@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .bench.cli import add_parser as add_bench
     from .minicluster.cli import add_parser as add_minicluster
-    from .sim import add_parser as add_sim
+    from .sim_cli import add_parser as add_sim
     add_bench(sub)
     add_sim(sub)
     add_minicluster(sub)

@@ -147,36 +147,41 @@ def scenario_actions(scenario: str, steps: int) -> tuple[str, list[tuple[int, st
     return "4+2", [(a, "drain", "node2"), (b, "kill", "node4")]
 
 
+def describe(e: dict) -> str | None:
+    """One line for a timeline, for the event kinds a reader of the demo cares about."""
+    k = e["kind"]
+    if k == "job_state":
+        return f"job {e['prev']} -> {e['state']}"
+    if k == "node_ready":
+        return f"{e['node']} ready ({e['role']}{', warmed in the sandbox' if e.get('warm') else ''})"
+    if k == "swap_planned":
+        return (f"drain {e['node']}: plan {e['plan']}, joiner {e['joiner']}, rebuild "
+                f"{len(e['groups_rebuilt'])} groups, keep {len(e['groups_kept'])}")
+    if k == "phase1_done":
+        return f"phase 1 done in {e['phase1_s']:.3f}s (training went on)"
+    if k == "switch":
+        return f"switch at the boundary after step {e['step']}"
+    if k == "swap_complete":
+        return (f"swap complete: stall {e['stall_s']}s, state {e['state_bytes'] / 1e6:.1f} MB in "
+                f"{e['phases']['transfer_s']}s, groups rebuilt {e['groups_rebuilt']} / kept {e['groups_kept']}")
+    if k == "node_released":
+        return f"{e['node']} released ({e['why']})"
+    if k == "failure_detected":
+        return f"{e['node']} FAILED: {e['how']} (detected {e.get('detect_s')}s after)"
+    if k == "recovery_planned":
+        return (f"recovery plan {e['plan']}: moves {e['moves']}, donors {e['donors']}"
+                + (f", fallback {e['fallback']}" if e.get("fallback") else ""))
+    if k == "recovery_complete":
+        return (f"recovered: stall {e['stall_s']}s, lost {e['lost_steps']} step(s), "
+                f"groups rebuilt {e['groups_rebuilt']} / kept {e['groups_kept']}")
+    if k in ("swap_cancelled", "checkpoint_exit", "standbys_exhausted"):
+        return k.replace("_", " ") + (f": {e.get('why') or e.get('action')}" if e.get("why") or e.get("action") else "")
+    return None
+
+
 def timeline(job: Path) -> list[str]:
-    keep = {"job_state", "swap_planned", "phase1_done", "switch", "swap_complete", "node_released",
-            "failure_detected", "recovery_planned", "recovery_complete", "swap_cancelled",
-            "checkpoint_exit", "standbys_exhausted", "node_ready"}
-    recs = [e for e in evlog.read(jobdir.events_file(job)) if e["kind"] in keep]
-    if not recs:
-        return []
-    t0 = recs[0]["ts"]
-    out = []
-    for e in recs:
-        k = e["kind"]
-        what = {
-            "job_state": lambda: f"job {e['prev']} -> {e['state']}",
-            "node_ready": lambda: f"{e['node']} ready ({e['role']})",
-            "swap_planned": lambda: f"drain {e['node']}: plan {e['plan']}, joiner {e['joiner']}, rebuild "
-                                    f"{len(e['groups_rebuilt'])} groups, keep {len(e['groups_kept'])}",
-            "phase1_done": lambda: f"phase 1 done in {e['phase1_s']:.3f}s (training went on)",
-            "switch": lambda: f"switch at the boundary after step {e['step']}",
-            "swap_complete": lambda: (f"swap complete: stall {e['stall_s']}s, state {e['state_bytes'] / 1e6:.1f} MB "
-                                      f"in {e['phases']['transfer_s']}s, groups rebuilt {e['groups_rebuilt']} "
-                                      f"/ kept {e['groups_kept']}"),
-            "node_released": lambda: f"{e['node']} released ({e['why']})",
-            "failure_detected": lambda: f"{e['node']} FAILED: {e['how']} (detected {e.get('detect_s')}s after)",
-            "recovery_planned": lambda: f"recovery plan {e['plan']}: moves {e['moves']}, donors {e['donors']}"
-                                        + (f", fallback {e['fallback']}" if e.get("fallback") else ""),
-            "recovery_complete": lambda: (f"recovered: stall {e['stall_s']}s, lost {e['lost_steps']} step(s), "
-                                          f"groups rebuilt {e['groups_rebuilt']} / kept {e['groups_kept']}"),
-        }.get(k, lambda: k)()
-        out.append(f"  +{e['ts'] - t0:7.2f}s  {what}")
-    return out
+    lines = [(e["ts"], d) for e in evlog.read(jobdir.events_file(job)) if (d := describe(e))]
+    return [f"  +{ts - lines[0][0]:7.2f}s  {d}" for ts, d in lines]
 
 
 def compare(ref: dict, run: dict) -> tuple[bool, list[str]]:

@@ -16,8 +16,8 @@ def load(job: Path) -> dict:
     return st
 
 
-def show(job: Path, as_json: bool = False, events_n: int = 10, events: int | None = None) -> int:
-    n = events if events is not None else events_n
+def show(job: Path, as_json: bool = False, events: int = 10) -> int:
+    n = events
     st = load(job)
     evs = list(_events(job))[-n:] if n else []
     if as_json:

@@ -12,7 +12,7 @@ import pytest
 
 from tm_slurm.minicluster import MiniCluster, MiniClusterError
 
-NODES = 5
+NODES = 6   # 4 active + 1 standby for the example job, and one free node (a companion standby)
 HERE = Path(__file__).parent
 
 

@@ -25,18 +25,18 @@ SLOW_POLL_S = 60
 
 @pytest.fixture(scope="module")
 def tm_cli(tmp_path_factory) -> Path:
-    """`tm-slurm` with the admin verbs as an executable (trigger programs and the NHC hook need
-    a path), whether or not tm_slurm/cli.py has them wired in yet."""
+    """An executable `tm-slurm` with the admin verbs (trigger programs and the NHC hook need a
+    path to run), built from their own add_parser functions only, so the test does not depend on
+    how tm_slurm/cli.py wires them in."""
     p = tmp_path_factory.mktemp("bin") / "tm-slurm"
     p.write_text(f"""#!{sys.executable}
 import argparse, sys
-from tm_slurm import cli, report
+from tm_slurm import report
 from tm_slurm.admin import add_parsers
-ap = cli.build_parser()
-sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
-for verb, add in (("evacuate", add_parsers), ("report", report.add_parser)):
-    if verb not in sub.choices:
-        add(sub)
+ap = argparse.ArgumentParser(prog="tm-slurm")
+sub = ap.add_subparsers(dest="verb", required=True)
+add_parsers(sub)
+report.add_parser(sub)
 args = ap.parse_args()
 sys.exit(args.fn(args) or 0)
 """)
@@ -90,6 +90,10 @@ def test_evacuate_moves_the_job_off_and_the_node_ends_drained(submit, minicluste
     assert job.slurm_state() == "COMPLETED", job.dir
     assert job.result()["digests"] == ref
     done = job.seen("swap_complete", node="node3")
+    r = subprocess.run([str(tm_cli), "report", "--job", str(job.dir)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert f"job {job.id}: FINISHED" in r.stdout and "planned    node3     evacuate: maint" in r.stdout, r.stdout
+    assert (job.dir / "timeline.png").stat().st_size > 0
     print(f"\n[evacuate] node3 moved off {j['nodes']['node3']['after_s']} s after the drain, DRAINED "
           f"after {rep['elapsed_s']} s; the command took {took:.2f} s; request seen {req['age_s']} s "
           f"after it was written; stall {done['stall_s']} s")

@@ -19,10 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import NODES
+
 from tm_slurm.minicluster import MiniCluster, MiniClusterError
 from tm_slurm.minicluster.cli import add_parser
 
-ALL = [f"node{i}" for i in range(1, 6)]
+ALL = [f"node{i}" for i in range(1, NODES + 1)]
 DOWN_WITHIN = 45  # s; about twice what SlurmdTimeout=10 MessageTimeout=5 give
 
 
@@ -70,16 +72,16 @@ def test_all_nodes_idle_after_up(healthy_cluster):
 
 def test_up_is_idempotent(healthy_cluster):
     inits = _inits(healthy_cluster)
-    took = healthy_cluster.up(nodes=5)
+    took = healthy_cluster.up(nodes=NODES)
     print(f"\n[timing] up on a healthy cluster (no-op): {took:.2f} s")
     assert _inits(healthy_cluster) == inits
-    assert len(inits) == 6  # head + 5 nodes
+    assert len(inits) == NODES + 1  # head + the nodes
 
 
 def test_srun_runs_one_task_on_each_node(healthy_cluster):
     t = time.monotonic()
-    out = _out(healthy_cluster, "srun", "-N5", "hostname")
-    print(f"\n[timing] srun -N5 hostname from the host: {time.monotonic() - t:.2f} s")
+    out = _out(healthy_cluster, "srun", f"-N{NODES}", "hostname")
+    print(f"\n[timing] srun -N{NODES} hostname from the host: {time.monotonic() - t:.2f} s")
     assert sorted(out.split()) == ALL
 
 
@@ -225,7 +227,7 @@ def test_up_fails_clearly_when_slurm_is_missing(tmp_path, monkeypatch):
 def test_down_leaves_no_namespace_and_no_process(healthy_cluster):
     mc = healthy_cluster
     pids = mc.pids()
-    assert len(mc.namespaces()) == 6 and len(_inits(mc)) == 6
+    assert len(mc.namespaces()) == NODES + 1 and len(_inits(mc)) == NODES + 1
     took = mc.down()
     print(f"\n[timing] down: {took:.2f} s")
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
@@ -233,5 +235,5 @@ def test_down_leaves_no_namespace_and_no_process(healthy_cluster):
     assert {p: c for p, c in pids.items() if _cmdline(p) == c} == {}
     assert not mc.state_dir.exists() and not mc.bin_dir.exists()
     assert (mc.run_dir / "last-logs" / "slurmctld.log").exists()
-    took = mc.up(nodes=5)  # from nothing; later tests of the session get their cluster back
+    took = mc.up(nodes=NODES)  # from nothing; later tests of the session get their cluster back
     print(f"[timing] up from nothing: {took:.2f} s")

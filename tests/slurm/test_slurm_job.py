@@ -87,10 +87,10 @@ class Job:
 def submit(healthy_cluster, tmp_path):
     made = []
 
-    def go(*sbatch_args: str, steps: int = STEPS) -> Job:
-        env = dict(healthy_cluster.env(), GPT_STEPS=str(steps), GPT_ARGS=" ".join(TINY),
-                   TM_SLURM_ARGS=" ".join(f"--set {s}" for s in
-                                          [*ROBUST, f"timeouts.controller_timeout_s={CONTROLLER_TIMEOUT}"]))
+    def go(*sbatch_args: str, steps: int = STEPS, extra_sets=(), gpt_extra=()) -> Job:
+        sets = [*ROBUST, f"timeouts.controller_timeout_s={CONTROLLER_TIMEOUT}", *extra_sets]
+        env = dict(healthy_cluster.env(), GPT_STEPS=str(steps), GPT_ARGS=" ".join([*TINY, *gpt_extra]),
+                   TM_SLURM_ARGS=" ".join(f"--set {s}" for s in sets))
         p = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/%j.out", *sbatch_args,
                             "sbatch/train.sbatch"], cwd=REPO, env=env, capture_output=True,
                            text=True, timeout=30)

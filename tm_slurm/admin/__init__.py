@@ -32,7 +32,6 @@ class RunningJob:
     job_id: str
     user: str
     nodes: tuple[str, ...]       # the current Slurm allocation
-    batch_host: str
     workdir: str
 
     @property
@@ -49,7 +48,7 @@ Runner = Callable[..., subprocess.CompletedProcess]
 
 # %A: the job id that is unique per array element (= SLURM_JOB_ID, what tm_slurm names its
 # directory after); %Z last because a working directory may contain the separator
-SQUEUE_FORMAT = "%A|%u|%B|%N|%Z"
+SQUEUE_FORMAT = "%A|%u|%N|%Z"
 
 
 def running_jobs(nodes: Sequence[str] | None = None, *, run: Runner = subprocess.run,
@@ -76,12 +75,11 @@ def running_jobs(nodes: Sequence[str] | None = None, *, run: Runner = subprocess
 def parse_squeue(text: str) -> list[RunningJob]:
     jobs = []
     for line in (text or "").splitlines():
-        parts = line.strip().split("|", 4)
-        if len(parts) != 5 or not parts[0]:
+        parts = line.strip().split("|", 3)
+        if len(parts) != 4 or not parts[0]:
             continue
-        job_id, user, batch, nodes, workdir = parts
-        jobs.append(RunningJob(job_id, user, tuple(hostlist.expand(nodes)) if nodes else (),
-                               batch if batch.lower() not in ("", "(null)", "n/a") else "", workdir))
+        job_id, user, nodes, workdir = parts
+        jobs.append(RunningJob(job_id, user, tuple(hostlist.expand(nodes)) if nodes else (), workdir))
     return jobs
 
 

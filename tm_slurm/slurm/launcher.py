@@ -16,7 +16,7 @@ from pathlib import Path
 from .. import jobdir
 from ..control import mpi as mpictl
 from ..launch.local import agent_argv
-from . import backend_for
+from . import backend_for, hostlist
 
 
 class SlurmLauncher:
@@ -77,7 +77,10 @@ class SlurmLauncher:
         (the node's name is known when it says hello). Cancelled when this job ends."""
         argv = mpictl.mpiexec_argv(agent_argv(self.job_dir, "NODE", self.cfg))
         wrap = " ".join(shlex.quote(a) for a in argv).replace("NODE", '"$SLURMD_NODENAME"')
-        p = subprocess.run(["sbatch", "--parsable", "-N1", "-n1", f"--job-name=tm-standby-{self.job_id}",
+        # a node of its own: not one this job holds or held (Slurm would happily share one)
+        known = hostlist.compress(sorted(ctl.nodes.nodes), sort=True)
+        p = subprocess.run(["sbatch", "--parsable", "-N1", "-n1", "--exclusive", f"--exclude={known}",
+                            f"--job-name=tm-standby-{self.job_id}",
                             f"--output={jobdir.log_dir(self.job_dir)}/standby-%j.out",
                             *self.cfg.standby.replenish_sbatch_args, f"--wrap=exec {wrap}"],
                            env=mpictl.mpi_env(), capture_output=True, text=True, timeout=30)

@@ -1,0 +1,216 @@
+"""`tm-slurm sim` on the command line: the terminal table, the PNG and the argument handling.
+The model itself is `tm_slurm/sim.py`."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from .sim import (SIZES, Params, apply_override, default_params, inputs_dict, load_bench, paper_check,
+                  paper_params, params_dict, project, sweep)
+
+# ---------------------------------------------------------------- output
+
+def _fmt_gh(x: float) -> str:
+    if abs(x) >= 1e6:
+        return f"{x / 1e6:.2f}M"
+    if abs(x) >= 1e3:
+        return f"{x / 1e3:.1f}K"
+    return f"{x:.0f}"
+
+
+def render_text(res: dict, rows: list[dict], params: Params, check: dict | None) -> str:
+    L = []
+    n = res["gpus"]
+    L.append(f"tm-slurm sim [{params.mode}]  {n} GPUs, MTTF {res['mttf_h'] * 60:.1f} min "
+             f"(= {params.mttf_ref_h:g} h x {params.mttf_ref_gpus}/{n}), planned:unplanned = "
+             f"1:{params.unplanned_per_planned:g}, rescheduling {params.rescheduling_s:g} s, "
+             f"events {params.event_model}")
+    for note in params.notes:
+        L.append(f"  note: {note}")
+    L.append("")
+    hdr = f"{'strategy':<22}{'events/wk':>10}{'downtime':>10}{'lost':>9}{'resched':>9}{'standby':>9}" \
+          f"{'total':>9}{'ETTR':>7}  per event planned/unplanned (s)"
+    L.append("wasted GPU-hours/week")
+    L.append(hdr)
+    for k, v in res["strategies"].items():
+        w = v["wasted_gpu_hours_per_week"]
+        spe = v["seconds_per_event"]
+        pe = "/".join(f"{sum(spe[sc].values()):.1f}" for sc in ("planned", "unplanned"))
+        L.append(f"{k:<22}{v['events_per_week']['total']:>10.1f}{_fmt_gh(w['downtime']):>10}"
+                 f"{_fmt_gh(w['lost_work']):>9}{_fmt_gh(w['rescheduling']):>9}{_fmt_gh(w['standby']):>9}"
+                 f"{_fmt_gh(w['total']):>9}{v['ettr']:>7.3f}  {pe}" + ("  SATURATED" if v["saturated"] else ""))
+    if res.get("reduction_vs_best") is not None:
+        L.append(f"\nreduction_vs_best: {res['reduction_vs_best']:.1%} less waste than {res['best_alternative']} "
+                 f"(saves {_fmt_gh(res['saved_gpu_hours_per_week'])} GPU-hours/week)")
+    if res.get("reduction_vs_best_baseline") is not None:
+        L.append(f"vs best restart-style baseline ({res['best_baseline']}): {res['reduction_vs_best_baseline']:.1%}")
+    tm = res["strategies"].get("tm_slurm", {})
+    if tm.get("standby_miss_fraction"):
+        L.append(f"tm_slurm standby misses: {tm['standby_miss_fraction']:.1%} of failures find no warm standby")
+    if check:
+        o, pp = check["ours"], check["paper"]
+        L.append(f"\npaper check @ {check['gpus']} GPUs: ours {o['reduction_vs_best']:.1%} vs paper "
+                 f"{pp['reduction_vs_best']:.0%} ({check['difference']['reduction_points'] * 100:+.1f} points); "
+                 f"saved {_fmt_gh(o['saved_gpu_hours_per_week'])} vs paper {_fmt_gh(pp['saved_gpu_hours_per_week'])}"
+                 f" ({check['difference']['saved_relative']:+.0%}); best alternative {o['best_alternative']} "
+                 f"(paper: {pp['best_alternative']}); "
+                 + ("within tolerance" if check["within_tolerance"] else "OUTSIDE tolerance"))
+        L.append(f"  {check['explanation']}")
+    names = list(res["strategies"])
+    L.append("\nsweep: wasted GPU-hours/week (ETTR)")
+    L.append(f"{'GPUs':>7}{'MTTF':>8}  " + "".join(f"{k:>24}" for k in names) + f"{'reduction':>11}")
+    for r in rows:
+        cells = "".join(f"{_fmt_gh(r['strategies'][k]['wasted_gpu_hours_per_week']) + ' (' + format(r['strategies'][k]['ettr'], '.3f') + ')' + ('!' if r['strategies'][k]['saturated'] else ''):>24}"
+                        for k in names)
+        red = r["reduction_vs_best"]
+        L.append(f"{r['gpus']:>7}{r['mttf_h'] * 60:>6.0f}m  {cells}{(f'{red:.1%}' if red is not None else '-'):>11}")
+    if any(s["saturated"] for r in rows for s in r["strategies"].values()):
+        L.append("  ! saturated: per-week recovery time exceeds the week (linear model); try --events renewal")
+    return "\n".join(L)
+
+
+def plot(rows: list[dict], path: str | Path, title: str = "") -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(rows[0]["strategies"])
+    x = [r["gpus"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for k in names:
+        a.plot(x, [r["strategies"][k]["wasted_gpu_hours_per_week"] for r in rows], marker="o", label=k)
+        b.plot(x, [r["strategies"][k]["ettr"] for r in rows], marker="o", label=k)
+    for ax, yl in ((a, "wasted GPU-hours / week"), (b, "ETTR")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x, [f"{g // 1024}K" for g in x])
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel(yl)
+        ax.grid(True, alpha=.3)
+    a.set_yscale("log")
+    b.set_ylim(0, 1.02)
+    b.legend(fontsize=8)
+    fig.suptitle(title or "tm-slurm sim")
+    fig.tight_layout()
+    p = Path(path)
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+# ---------------------------------------------------------------- CLI
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    s = subparsers.add_parser("sim", help="scale projection: wasted GPU-hours/week and ETTR per strategy",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--gpus", type=int, default=65536, help="job size for the detailed figures (default 65536)")
+    s.add_argument("--paper", action="store_true",
+                   help="the paper's own inputs and accounting, checked against its 55%% at 64K GPUs")
+    s.add_argument("--from-bench", metavar="FILE", help="downtimes from `tm-slurm bench --json` output")
+    s.add_argument("--downtime", action="append", default=[], metavar="STRATEGY:SCENARIO=SECONDS",
+                   help="override a per-event downtime (scenario planned|unplanned|hang|*); repeatable")
+    s.add_argument("--lost-steps", action="append", default=[], metavar="STRATEGY:SCENARIO=N",
+                   help="override the steps lost per event on a replica/leaver path; repeatable")
+    s.add_argument("--mttf-h", type=float, help="MTTF at --mttf-ref-gpus (default 3 h, Meta's study)")
+    s.add_argument("--mttf-ref-gpus", type=int, help="reference size for --mttf-h (default 8192)")
+    s.add_argument("--unplanned-per-planned", type=float, help="default 8.9 (Llama 3: 419/47)")
+    s.add_argument("--rescheduling-s", type=float, help="wait for a replacement node (default 120)")
+    s.add_argument("--standbys", type=int, help="tm_slurm standby nodes (default 1)")
+    s.add_argument("--gpus-per-node", type=int, help="default 8")
+    s.add_argument("--replenish-s", type=float, help="time to replace a used standby (0: never miss)")
+    s.add_argument("--ckpt-interval-min", type=float, help="checkpoint interval (default 10 min)")
+    s.add_argument("--ckpt-interval-steps", type=float, help="checkpoint interval in steps (x --step-s)")
+    s.add_argument("--step-s", type=float, help="iteration time at scale (default 7.33 s; bench: its own)")
+    s.add_argument("--hang-fraction", type=float, help="share of unplanned events that are hangs (default 0)")
+    s.add_argument("--hang-detect-s", type=float, help="detection delay added to hangs without a measurement")
+    s.add_argument("--lost-work", choices=("on", "off"), help="count redone work (default: on; --paper: off)")
+    s.add_argument("--events", choices=("linear", "renewal"), help="event-count model (default linear)")
+    s.add_argument("--sizes", help="comma-separated GPU counts for the sweep (default 1K..128K)")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--plot", nargs="?", const="sim.png", metavar="PATH.png",
+                   help="write a PNG (default path: ./sim.png)")
+    s.set_defaults(fn=main)
+    return s
+
+
+def build_params(args) -> Params:
+    p = paper_params() if args.paper else default_params()
+    for attr, key in (("mttf_h", "mttf_ref_h"), ("mttf_ref_gpus", "mttf_ref_gpus"),
+                      ("unplanned_per_planned", "unplanned_per_planned"), ("rescheduling_s", "rescheduling_s"),
+                      ("gpus_per_node", "gpus_per_node"), ("replenish_s", "standby_replenish_s"),
+                      ("hang_fraction", "hang_fraction"), ("hang_detect_s", "hang_detect_s"),
+                      ("events", "event_model")):
+        v = getattr(args, attr, None)
+        if v is not None:
+            setattr(p, key, v)
+    if getattr(args, "ckpt_interval_min", None) is not None:
+        p.ckpt_interval_s = args.ckpt_interval_min * 60
+    if getattr(args, "lost_work", None):
+        p.count_lost_work = args.lost_work == "on"
+    if getattr(args, "standbys", None) is not None:
+        p.strategies["tm_slurm"].standby_nodes = args.standbys
+    if getattr(args, "from_bench", None):
+        p = load_bench(p, args.from_bench)
+    if getattr(args, "step_s", None) is not None:
+        p.step_s = args.step_s
+    if getattr(args, "ckpt_interval_steps", None) is not None:
+        p.ckpt_interval_s = args.ckpt_interval_steps * p.step_s
+    for spec in getattr(args, "downtime", None) or []:
+        apply_override(p, spec, "downtime")
+    for spec in getattr(args, "lost_steps", None) or []:
+        apply_override(p, spec, "lost_steps")
+    if not 0 <= p.hang_fraction <= 1:
+        raise ValueError("--hang-fraction must be within 0..1")
+    if p.mttf_ref_h <= 0 or p.mttf_ref_gpus <= 0 or p.unplanned_per_planned <= 0:
+        raise ValueError("MTTF, its reference size and the unplanned:planned ratio must be positive")
+    return p
+
+
+def run(args) -> tuple[dict, Params]:
+    """Everything main prints, as a dict (the --json document), and the parameters used."""
+    p = build_params(args)
+    if args.gpus <= 0:
+        raise ValueError("--gpus must be positive")
+    sizes = SIZES
+    if getattr(args, "sizes", None):
+        sizes = tuple(int(x) for x in args.sizes.split(",") if x.strip())
+    res = project(p, args.gpus)
+    doc = {"mode": p.mode, "gpus": res["gpus"]}
+    doc.update((k, res[k]) for k in ("reduction_vs_best", "best_alternative", "saved_gpu_hours_per_week",
+                                     "reduction_vs_best_baseline", "best_baseline", "mttf_h", "strategies"))
+    if p.mode.startswith("paper"):
+        doc["paper_check"] = paper_check(p)
+    doc.update(sweep=sweep(p, sizes), params=params_dict(p), inputs=inputs_dict(p), notes=list(p.notes))
+    return doc, p
+
+
+def main(args) -> int:
+    try:
+        doc, p = run(args)
+    except (ValueError, OSError, json.JSONDecodeError) as e:
+        print(f"tm-slurm sim: {e}", file=sys.stderr)
+        return 2
+    if getattr(args, "plot", None):
+        path = plot(doc["sweep"], args.plot, title=f"tm-slurm sim [{doc['mode']}]")
+        doc["plot"] = str(path)
+    if args.json:
+        print(json.dumps(_rounded(doc), indent=2))
+    else:
+        print(render_text(doc, doc["sweep"], p, doc.get("paper_check")))
+        if doc.get("plot"):
+            print(f"\nplot: {doc['plot']}")
+    return 0
+
+
+def _rounded(o):
+    """Readable JSON: fractions to 5 decimals, GPU-hours to 0.1 (NaN/inf -> null)."""
+    if isinstance(o, float):
+        if math.isnan(o) or math.isinf(o):
+            return None
+        return round(o, 5) if abs(o) < 100 else round(o, 1)
+    if isinstance(o, dict):
+        return {k: _rounded(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_rounded(v) for v in o]
+    return o
