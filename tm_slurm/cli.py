@@ -178,11 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--compile", action="store_true", help="torch.compile the example model")
     m.set_defaults(fn=cmd_demo)
 
+    from .admin import add_parsers as add_admin
     from .bench.cli import add_parser as add_bench
     from .minicluster.cli import add_parser as add_minicluster
+    from .report import add_parser as add_report
     from .sim_cli import add_parser as add_sim
+    add_report(sub)
     add_bench(sub)
     add_sim(sub)
+    add_admin(sub)          # evacuate, notify-nodes
     add_minicluster(sub)
     return ap
 

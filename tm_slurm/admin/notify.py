@@ -5,7 +5,8 @@ This is what plugins/strigger/tm-slurm-trigger runs (strigger passes the node li
 would see the same node states themselves at their next Slurm poll; the request only makes them
 act sooner:
 
-    fail     the node is expected to fail (scontrol update State=FAIL): planned migration (drain)
+    fail     the node is expected to fail (State=FAIL): planned migration (drain); Slurm 22.05
+             never fires --fail triggers, so there only `tm-slurm notify-nodes` run by hand does
     drained  the node became DRAINED: drain (normally nothing is left on it; a no-op then)
     down     the node is DOWN: treat it as failed (request verb `fail`: recovery on a standby)
 

@@ -71,6 +71,13 @@ class Intake:
                 ctl.log.emit("request_rejected", node=r.node, why=why)
                 return
             self.wanted_drains.setdefault(r.node, r)
+        elif r.verb == "fail":
+            # a site's trigger saw Slurm declare the node down (fail() ignores a node it already
+            # knows to be gone, so a repeated notice does nothing)
+            if r.node not in ctl.nodes.nodes:
+                ctl.log.emit("request_rejected", node=r.node, why=f"unknown node {r.node!r}")
+                return
+            ctl.fail(r.node, "slurm_down_notified", reason=r.reason, source=r.extra.get("source"))
         elif r.verb == "checkpoint":
             self.wanted_checkpoint = r
         elif r.verb == "stop":

@@ -105,6 +105,10 @@ class SlurmLauncher:
         self.backend.requeue(self.job_id)
 
     def stop_all(self, grace: float = 5.0) -> None:
+        # each release left Slurm's slurm_job_<id>_resize.{sh,csh} (new SLURM_* values for
+        # scripts that source them) in the job's working directory; nothing here needs them
+        for f in Path.cwd().glob(f"slurm_job_{self.job_id}_resize.*"):
+            f.unlink(missing_ok=True)
         if self.companions:
             subprocess.run(["scancel", *self.companions], capture_output=True, timeout=30)
         for p in self.procs.values():

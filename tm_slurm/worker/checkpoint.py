@@ -110,7 +110,7 @@ def load(d: Path, rank: int, topo: Topology, state: TrainState) -> int:
     data = _verified(path)
     if data is None:
         raise RuntimeError(f"checkpoint shard {path} is missing or does not match its digest")
-    obj = torch.load(io.BytesIO(data), weights_only=False)
+    obj = torch.load(io.BytesIO(data), weights_only=False, map_location="cpu")
     state.model.load_state_dict(obj["model"])
     if state.optimizer is not None and obj["optimizer"] is not None:
         state.optimizer.load_state_dict(obj["optimizer"])

@@ -54,7 +54,7 @@ def load_standins(job_dir: Path) -> dict[str, torch.Tensor]:
     d = standins_path(job_dir).parent
     for p in sorted(d.glob(f"stage*.{STANDINS}")) if d.is_dir() else []:
         try:
-            out.update(torch.load(p, weights_only=True))
+            out.update(torch.load(p, weights_only=True, map_location="cpu"))
         except Exception:
             continue
     return out

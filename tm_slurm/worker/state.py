@@ -111,18 +111,23 @@ def nbytes(state: TrainState) -> int:
 
 # ---------------------------------------------------------------- over a two-member group
 
-def _send_bytes(pg, data: bytes, peer: int) -> None:
-    n = torch.tensor([len(data)], dtype=torch.int64)
+def _device(state: TrainState) -> torch.device:
+    """Where the link's tensors must live (NCCL sends device memory only)."""
+    return next((t.device for _, t in tensors(state)), torch.device("cpu"))
+
+
+def _send_bytes(pg, data: bytes, peer: int, device: torch.device) -> None:
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
     pg.send([n], peer, 0).wait()
-    pg.send([torch.frombuffer(bytearray(data), dtype=torch.uint8)], peer, 0).wait()
+    pg.send([torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)], peer, 0).wait()
 
 
-def _recv_bytes(pg, peer: int) -> bytes:
-    n = torch.zeros(1, dtype=torch.int64)
+def _recv_bytes(pg, peer: int, device: torch.device) -> bytes:
+    n = torch.zeros(1, dtype=torch.int64, device=device)
     pg.recv([n], peer, 0).wait()
-    buf = torch.empty(int(n.item()), dtype=torch.uint8)
+    buf = torch.empty(int(n.item()), dtype=torch.uint8, device=device)
     pg.recv([buf], peer, 0).wait()
-    return buf.numpy().tobytes()
+    return buf.cpu().numpy().tobytes()
 
 
 def send_state(pg, state: TrainState, step: int, peer: int = 1) -> dict:
@@ -130,7 +135,7 @@ def send_state(pg, state: TrainState, step: int, peer: int = 1) -> dict:
     m = manifest(state, step)
     raw = io.BytesIO()
     pickle.dump(m, raw, protocol=pickle.HIGHEST_PROTOCOL)
-    _send_bytes(pg, raw.getvalue(), peer)
+    _send_bytes(pg, raw.getvalue(), peer, _device(state))
     ts = [t.detach().contiguous() for _, t in tensors(state)]
     works = [pg.send([t], peer, i + 1) for i, t in enumerate(ts)]
     for w in works:
@@ -143,7 +148,7 @@ def send_state(pg, state: TrainState, step: int, peer: int = 1) -> dict:
 def recv_state(pg, state: TrainState, peer: int = 0) -> tuple[int, dict]:
     """Receive into `state`; returns (the sender's step, timing)."""
     t0 = time.perf_counter()
-    m = pickle.loads(_recv_bytes(pg, peer))
+    m = pickle.loads(_recv_bytes(pg, peer, _device(state)))
     ts = apply_manifest(state, m)
     bufs = [t if t.is_contiguous() else torch.empty_like(t) for t in ts]
     works = [pg.recv([b], peer, i + 1) for i, b in enumerate(bufs)]
