@@ -162,7 +162,7 @@ def test_netcut_of_a_node_leaves_a_no_kill_job_running_on_the_others(healthy_clu
     assert _out(mc, "squeue", "-h", "-j", job, "-o", "%T %N").split() == ["RUNNING", "node[1-2,4-5]"]
     assert {"node1", "node2", "node4", "node5"} <= set(steps())  # their steps run on
     # srun's exit status hides the loss (0); its message does not
-    _wait(lambda: "Node failure on node3" in (tmp_path / "job.out").read_text(), timeout=10)
+    _wait(lambda: "Node failure on node3" in (tmp_path / "job.out").read_text(), timeout=40)
     mc.restore("node3", wait=True)
 
 

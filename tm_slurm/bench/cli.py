@@ -24,6 +24,8 @@ def add_parser(sub) -> None:
     b.add_argument("--hang-timeout", type=float, default=30.0,
                    help="collective timeout: how long a hang lasts for the restart strategies")
     b.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step (slower steps)")
+    b.add_argument("--compile", action="store_true", help="torch.compile the example (the joiner's "
+                   "first step then shows what the sandbox warms)")
     b.add_argument("--out", help="default: ./tm_slurm_jobs/bench-<time>")
     b.add_argument("--no-plot", action="store_true")
     b.add_argument("--scaling", action="store_true", help="also: swap cost vs world size")
@@ -41,7 +43,7 @@ def main(args) -> int:
     reps = 1 if args.quick else args.reps
     steps, at = (60, 20) if args.quick else (args.steps, args.at_step)
     hang = min(args.hang_timeout, 10.0) if args.quick else args.hang_timeout
-    extra = ["--sleep", str(args.sleep)] if args.sleep else []
+    extra = (["--sleep", str(args.sleep)] if args.sleep else []) + (["--compile"] if args.compile else [])
     root = Path(args.out or Path.cwd() / "tm_slurm_jobs" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}")
     root.mkdir(parents=True, exist_ok=True)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True))
@@ -91,6 +93,10 @@ def report(samples, scenarios, strategies, tm_steady: float, plain_steady: float
             row[st] = {"downtime_s": round(d["median"], 4), "min": round(d["min"], 4), "max": round(d["max"], 4),
                        "n": d["n"], "lost_steps": statistics.median([s.lost_steps for s in xs]),
                        "steady_step_s": round(statistics.median([s.steady_step_s for s in xs]), 4)}
+            firsts = [i["joiner_first_step_s"] for s in xs for i in s.detail.get("interruptions", [])
+                      if i.get("joiner_first_step_s") is not None]
+            if firsts:      # the swap strategies: how warm the joiner was (sandboxed or cold)
+                row[st]["joiner_first_step_s"] = round(statistics.median(firsts), 4)
         tm = row.get("tm_slurm", {}).get("downtime_s")
         for st, r in row.items():
             r["ratio_vs_tm"] = round(r["downtime_s"] / tm, 2) if tm and tm > 0 else None
@@ -107,6 +113,11 @@ def table(out: dict) -> str:
             rng = f"{r['downtime_s']:.3f} ({r['min']:.3f}-{r['max']:.3f})"
             ratio = f"{r['ratio_vs_tm']:.1f}x" if r["ratio_vs_tm"] is not None else "-"
             lines.append(f"{sc:10s} {st:20s} {rng:>30s} {r['lost_steps']:>7} {ratio:>10s}")
+    for sc, row in out["scenarios"].items():
+        for st, r in row.items():
+            if "joiner_first_step_s" in r:
+                lines.append(f"{sc}: {st} joiner's first step {r['joiner_first_step_s']:.3f}s "
+                             f"(steady {r['steady_step_s']:.3f}s)")
     s = out["steady_step_s"]
     lines.append(f"steady step: tm_slurm {s['tm_slurm'] * 1e3:.1f} ms vs plain {s['plain'] * 1e3:.1f} ms: "
                  f"overhead {out['steady_overhead'] * 100:+.2f}%")

@@ -119,24 +119,24 @@ def _checkpoint_restart(job: Path, scenario: str, steps: int, at_step: int, hang
 def plain_steady(root: Path, steps: int, script_args: list[str], timeout: float = 600) -> tuple[float, dict]:
     """The same script without the runtime, four processes launched like torchrun would."""
     import os
-    import socket
     import statistics
     import subprocess
     from ..demo import example_paths
     script, _ = example_paths()
     out = root / f"plain-{time.strftime('%H%M%S')}"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = 0            # rank 0 picks one and tells the others (worker/plain.py)
     procs = []
+    out.mkdir(parents=True)
     for r in range(4):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE="4", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), TM_SLURM_DP="2", TM_SLURM_PP="2", TM_SLURM_PLAIN_OUT=str(out))
-        procs.append(subprocess.Popen([sys.executable, str(script), "--steps", str(steps), *MODEL, *script_args],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    for p in procs:
+        with open(out / f"rank{r}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, str(script), "--steps", str(steps), *MODEL,
+                                           *script_args], env=env, stdout=log, stderr=subprocess.STDOUT))
+    for r, p in enumerate(procs):
         if p.wait(timeout) != 0:
-            raise RuntimeError(f"plain run failed (exit {p.returncode})")
+            raise RuntimeError(f"plain run failed (exit {p.returncode}): "
+                               f"{(out / f'rank{r}.log').read_text()[-1500:]}")
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     per_step = [max(x["step_s"][i] for x in ranks) for i in range(steps)][3:]
     return statistics.median(per_step), {"digests": {str(x["rank"]): x["digest"] for x in ranks}}

@@ -189,12 +189,15 @@ class Recovery:
                  if ctl.progress.record(r, k) is not None]
         donors = [d for d in self.done.values() if d.get("donor")]
         first = next(iter(self.failed.values()), {})
+        joiner_steps = [ctl.progress.record(r, k) for r in plan.ranks]
         rec = {
             "kind": "unplanned", "node": next(iter(self.failed), None), "how": first.get("how"),
             "failed_nodes": sorted(self.failed), "joiners": list(plan.joiners), "plan": plan.id,
             "detect_s": first.get("detect_s"),
             "stall_s": _r(max(walls) - self.t_fail_wall) if walls and not interrupted else None,
             "lost_steps": self.step - k + 1, "resume_step": k, "fallback": self.fallback,
+            "joiner_first_step_s": _r(max(x.compute_s for x in joiner_steps))
+            if joiner_steps and all(joiner_steps) else None,
             "phases": {
                 "collect_s": _r(self.t_plan - self.t0), "build_s": _r(self.t_resume - self.t_plan),
                 "resume_s": _r(max((d.get("resume_s", d.get("recv_s", 0.0)) for d in self.done.values()),

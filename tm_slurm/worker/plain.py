@@ -29,6 +29,25 @@ def _raise(gid, e):
     raise RuntimeError(f"collective on {gid} failed (plain mode has no recovery): {e}") from e
 
 
+def _store(env, rank: int, world: int):
+    """torchrun's rendezvous store; MASTER_PORT=0 (the benchmark): rank 0 takes a free port and
+    leaves it in $TM_SLURM_PLAIN_OUT/port for the others (no race for a port picked earlier)."""
+    port = int(env["MASTER_PORT"])
+    t = timedelta(seconds=300)
+    if port:
+        return dist.TCPStore(env["MASTER_ADDR"], port, world, is_master=rank == 0, timeout=t)
+    f = Path(env["TM_SLURM_PLAIN_OUT"]) / "port"
+    if rank == 0:
+        store = dist.TCPStore(env["MASTER_ADDR"], 0, world, is_master=True, wait_for_workers=False, timeout=t)
+        tmp = f.with_suffix(".tmp")
+        tmp.write_text(str(store.port))
+        os.replace(tmp, f)
+        return store
+    while not f.exists():
+        time.sleep(0.05)
+    return dist.TCPStore(env["MASTER_ADDR"], int(f.read_text()), world, is_master=False, timeout=t)
+
+
 def run_plain(build, step, steps: int) -> None:
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
@@ -38,8 +57,7 @@ def run_plain(build, step, steps: int) -> None:
         raise SystemExit(f"TM_SLURM_DP x PP x TP = {lay.world} but WORLD_SIZE = {world}")
     topo = Topology(lay)
     device = torch.device("cuda", int(env.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=rank == 0,
-                          timeout=timedelta(seconds=300))
+    store = _store(env, rank, world)
     table = GroupTable(_raise, op_timeout=300)
     for g in sorted(topo.groups_of(rank), key=lambda g: g.id):
         table.swap({g.id: build_group(store, GroupBuild(g.id, g.members, f"plain/{g.id}"), g.members.index(rank),
