@@ -3,6 +3,7 @@ import pytest
 
 from tm_slurm.bench import metrics as M
 from tm_slurm.bench.cli import report
+from tm_slurm.bench import runs
 from tm_slurm.bench.runs import Sample
 
 
@@ -56,3 +57,13 @@ def test_report_ratios_and_overhead():
                              "steady_step_s": 0.1, "ratio_vs_tm": 1.0}
     assert r["checkpoint-restart"]["ratio_vs_tm"] == 200.0
     assert out["steady_overhead"] == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("strategy", runs.STRATEGIES)
+@pytest.mark.parametrize("scenario", runs.SCENARIOS)
+def test_every_strategy_runs_with_a_valid_config(strategy, scenario):
+    from pathlib import Path
+
+    from tm_slurm import config as C
+    example = Path(__file__).parent.parent / "sbatch" / "example.yaml"
+    C.load(example, dict(C.parse_override(s) for s in runs._sets(strategy, scenario, 30.0)))

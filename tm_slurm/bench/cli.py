@@ -29,6 +29,8 @@ def add_parser(sub) -> None:
     b.add_argument("--out", help="default: ./tm_slurm_jobs/bench-<time>")
     b.add_argument("--no-plot", action="store_true")
     b.add_argument("--scaling", action="store_true", help="also: swap cost vs world size")
+    b.add_argument("--analyze", metavar="DIR", help="recompute the table from the runs in an earlier "
+                   "bench directory instead of running them (the overhead runs still run)")
     b.set_defaults(fn=main)
 
 
@@ -49,6 +51,10 @@ def main(args) -> int:
     say = (lambda *a: print(*a, file=sys.stderr, flush=True))
     samples: list[runs.Sample] = []
     t0 = time.monotonic()
+    if args.analyze:
+        samples = [runs.analyze(p.parent) for p in sorted(Path(args.analyze).glob("*/bench-sample.json"))]
+        samples = [s for s in samples if s.scenario in scenarios and s.strategy in strategies]
+        reps = 0
     for rep in range(reps):
         for sc in scenarios:
             # rotate the order each repetition, so slow drift of the machine hits all alike
@@ -64,13 +70,14 @@ def main(args) -> int:
         plain.append(runs.plain_steady(root, steps, extra)[0])
         tm.append(runs.runtime_steady(root, steps, extra)[0])
     out = report(samples, scenarios, strategies, statistics.median(tm), statistics.median(plain))
-    out["config"] = {"reps": reps, "steps": steps, "at_step": at, "hang_timeout_s": hang, "node": runs.NODE,
+    out["config"] = {"reps": reps or "analyzed", "steps": steps, "at_step": at, "hang_timeout_s": hang, "node": runs.NODE,
                      "checkpoint_every": runs.CKPT_EVERY, "model": runs.MODEL, "out": str(root),
                      "wall_s": round(time.monotonic() - t0, 1)}
+    (root / "bench.json").write_text(json.dumps(out, indent=1))
     if args.scaling:
         from .scaling import swap_scaling
         out["scaling"] = swap_scaling(root, quick=args.quick)
-    (root / "bench.json").write_text(json.dumps(out, indent=1))
+        (root / "bench.json").write_text(json.dumps(out, indent=1))
     if not args.no_plot:
         from .plot import plot
         out["plot"] = str(plot(out, samples, root / "bench.png"))

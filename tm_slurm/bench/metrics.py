@@ -29,10 +29,11 @@ def pace(steps: list[Step], last: int = 15) -> float:
     return statistics.median(durs)
 
 
-def downtime(steps: list[Step], t_event: float, window: int = 15) -> tuple[float, dict]:
+def downtime(steps: list[Step], t_event: float, window: int = 6) -> tuple[float, dict]:
     """`steps` in commit order, possibly across a restart (a step committed twice: redone).
-    Measured from the last commit before the event to the commit `window` steps later, so noise
-    in the pace weighs on `window` steps, not on the whole run."""
+    Measured from the last commit before the event to the commit `window` steps later: long
+    enough to hold any recovery (it delays the next commit, whatever its length), short enough
+    that the noise of the pace weighs on a few steps only."""
     before = [s for s in steps if s.wall <= t_event]
     if not before:
         raise ValueError("the event happened before the first step")

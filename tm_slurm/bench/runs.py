@@ -53,7 +53,9 @@ def _sets(strategy: str, scenario: str, hang_timeout: float) -> list[str]:
         s.append("recovery.strategy=restart")
         if scenario == "hang":   # no heartbeat watchdog: the collective timeout is the detector
             s += [f"timeouts.heartbeat_timeout_s={hang_timeout - 0.5}",
-                  f"timeouts.worker_heartbeat_timeout_s={hang_timeout - 0.5}"]
+                  f"timeouts.worker_heartbeat_timeout_s={hang_timeout - 0.5}",
+                  f"timeouts.controller_timeout_s={hang_timeout + 10}",
+                  f"timeouts.rebuild_timeout_s={hang_timeout + 5}"]
     return s
 
 
@@ -82,8 +84,18 @@ def run(root: Path, scenario: str, strategy: str, steps: int, at_step: int, hang
         if rc != 0 or not r.done:
             raise RuntimeError(f"{strategy}/{scenario}: run failed (exit {rc}); see {job}")
         t_event, info = r.done[0]["t"], {"interruptions": r.result()["interruptions"]}
-    dt, d = metrics.downtime(_steps(job), t_event)
-    return Sample(scenario, strategy, dt, d["lost_steps"], d["steady_step_s"], str(job), {**d, **info})
+    (job / "bench-sample.json").write_text(json.dumps({"scenario": scenario, "strategy": strategy,
+                                                       "t_event": t_event, **info}))
+    return analyze(job)
+
+
+def analyze(job: Path) -> Sample:
+    """A sample from its job directory (`bench-sample.json` says what was done when)."""
+    meta = json.loads((job / "bench-sample.json").read_text())
+    dt, d = metrics.downtime(_steps(job), meta["t_event"])
+    info = {k: v for k, v in meta.items() if k not in ("scenario", "strategy", "t_event")}
+    return Sample(meta["scenario"], meta["strategy"], dt, d["lost_steps"], d["steady_step_s"], str(job),
+                  {**d, **info})
 
 
 def _checkpoint_restart(job: Path, scenario: str, steps: int, at_step: int, hang_timeout: float,

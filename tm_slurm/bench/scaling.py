@@ -18,12 +18,15 @@ def _one(root: Path, dp: int, pp: int) -> dict:
     slot = world // 2 if pp == 1 else dp * (pp // 2)     # a middle stage (DP rank 0) / a middle rank
     node = f"node{slot + 1}"
     job = root / f"scaling-dp{dp}-pp{pp}-{time.strftime('%H%M%S')}"
-    r = JobRun(job, f"{world}+1", 90, [(20, "drain", node)], extra_args=["--dp", str(dp), "--pp", str(pp)],
+    r = JobRun(job, f"{world}+1", 250, [(20, "drain", node)], extra_args=["--dp", str(dp), "--pp", str(pp)],
                script_args=TINY, sets=["checkpoint.every_steps=0", "timeouts.heartbeat_timeout_s=5",
                                        "timeouts.worker_heartbeat_timeout_s=5"])
-    if r.run(600) != 0:
+    if r.run(900) != 0:
         raise RuntimeError(f"scaling run dp={dp} pp={pp} failed; see {job}")
-    (sw,) = [i for i in r.result()["interruptions"] if i["kind"] == "planned"]
+    swaps = [i for i in r.result()["interruptions"] if i["kind"] == "planned"]
+    if not swaps:
+        return {"dp": dp, "pp": pp, "world": world, "error": f"no swap happened; see {job}"}
+    sw = swaps[0]
     return {"dp": dp, "pp": pp, "world": world, "node": node, "groups_rebuilt": sw["groups_rebuilt"],
             "groups_kept": sw["groups_kept"], "phase1_s": sw["phases"]["phase1_s"],
             "switch_s": sw["phases"]["switch_s"], "stall_s": sw["stall_s"], "state_bytes": sw["state_bytes"]}

@@ -21,7 +21,10 @@ case $MODE in
   kill)   T=$(now); [ -z "$ipid" ] || kill -KILL "$ipid" ;;
   netcut) link_set "$N" down; T=$(now) ;;
   slurmd) p=$(slurmd_pid "$N"); [ -n "$p" ] || die "no slurmd running on $N"
-          T=$(now); kill -KILL "$p" ;;
+          T=$(now); kill -KILL "$p"
+          # until nodeinit reaps it, the zombie still counts as "slurmd running", and a
+          # restore.sh that came now would only signal the corpse
+          for _ in $(seq 1 100); do [ -z "$(slurmd_pid "$N")" ] && break; sleep 0.05; done ;;
   hang)   T=$(now)
           for p in $(ip netns pids "$ns"); do kill -STOP "$p" 2>/dev/null || true; done ;;
   *) die "unknown mode '$MODE' (crash|kill|netcut|slurmd|hang)" ;;

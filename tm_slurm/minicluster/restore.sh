@@ -8,7 +8,7 @@
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 [ $# -ge 1 ] || die "usage: restore.sh NODE [--wait] [--natural]"
-N=$1; shift; WAITUP=; NATURAL=
+N=$1; shift; WAITUP=; NATURAL=; STARTED=
 for a in "$@"; do
   case $a in --wait) WAITUP=1 ;; --natural) NATURAL=1 ;; *) die "unknown option '$a'" ;; esac
 done
@@ -21,11 +21,20 @@ if [ -z "$ipid" ]; then
   start_machine node "$N" "$ns"
 elif [ -z "$spid" ]; then
   kill -HUP "$ipid"          # nodeinit: start slurmd
+  STARTED=1
 elif [ -z "$NATURAL" ]; then
   kill -HUP "$spid"          # slurmd: reconfigure, which registers with slurmctld now
 fi
 rm -f "$RUN/pids/failed.$N"
 [ -n "$WAITUP" ] || exit 0
+# slurmctld may not have noticed a killed slurmd yet (the node still looks IDLE): wait
+# for the new one to listen, or the next srun to the node fails to connect
+if [ -n "$STARTED" ]; then
+  for _ in $(seq 1 300); do
+    [ -n "$(ip netns exec "$ns" ss -Hltn 'sport = :6818' 2>/dev/null)" ] && break
+    sleep 0.1
+  done
+fi
 s=
 for _ in $(seq 1 600); do
   s=$(node_state "$N")
