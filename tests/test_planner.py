@@ -81,3 +81,32 @@ def test_recovery_needed():
     ("shrink", 0, 1, "checkpoint_exit"), ("checkpoint_exit", 0, 2, "checkpoint_exit")])
 def test_exhausted_action(policy, waited, dp, want):
     assert P.exhausted_action(policy, waited, 60.0, dp) == want
+
+
+def test_shrink_drops_the_replica_that_lost_a_node_and_renumbers_like_a_fresh_smaller_job():
+    topo = Topology(Layout(dp=2, pp=2))          # slots: 0=(dp0,pp0) 1=(dp1,pp0) 2=(dp0,pp1) 3=(dp1,pp1)
+    sp = P.plan_shrink(topo, [0])                # node of replica 0, stage 0 lost
+    assert sp.layout == Layout(dp=1, pp=2) and sp.dropped == (0,)
+    assert dict(sp.slots) == {1: 0, 3: 1}       # replica 1 becomes replica 0 of the dp=1 job
+    assert sp.freed == (2,)                      # the lost node's replica partner: a standby now
+
+
+def test_shrink_keeps_untouched_replicas_in_order():
+    topo = Topology(Layout(dp=3, pp=2))
+    sp = P.plan_shrink(topo, [4])                # slot 4 = (dp1, pp1)
+    assert sp.layout.dp == 2 and sp.dropped == (1,)
+    assert dict(sp.slots) == {0: 0, 2: 1, 3: 2, 5: 3} and sp.freed == (1,)
+
+
+@pytest.mark.parametrize("layout, lost, why", [
+    (Layout(dp=2, pp=2), [0, 3], "every DP replica"),
+    (Layout(dp=4, tp=1, ranks_per_node=2), [0], None),          # a node holds two replicas: both go
+    (Layout(dp=3, ranks_per_node=3), [0], "every DP replica"),
+    (Layout(dp=4, ranks_per_node=2), [0, 1], "every DP replica"),
+])
+def test_shrink_says_when_the_layout_does_not_allow_it(layout, lost, why):
+    sp = P.plan_shrink(Topology(layout), lost)
+    if why is None:
+        assert sp.layout.dp == 2 and dict(sp.slots) == {1: 0}
+    else:
+        assert isinstance(sp, str) and why in sp

@@ -5,11 +5,13 @@ the controller executes what they return.
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass, replace
 from typing import Iterable, Mapping
 
+from .config import Layout
 from .messages import GroupBuild, Move, SwapPlan, Transfer
 from .roles import Node, Role
-from .topology import Topology
+from .topology import Coord, Topology
 
 
 class PlanError(ValueError):
@@ -126,6 +128,50 @@ def exhausted_action(policy: str, waited_s: float, wait_s: float, dp: int) -> st
     if policy == "shrink" and dp > 1:
         return "shrink"
     return "checkpoint_exit"
+
+
+@dataclass(frozen=True)
+class ShrinkPlan:
+    """Drop whole DP replicas: `layout` is what remains, `slots` maps each surviving old slot to
+    its new one (ranks renumbered as if the job had been started at the smaller size, so its
+    data and RNG keys are those of a fresh run of that size), `freed` the old slots of the
+    dropped replicas that are still alive."""
+    layout: Layout
+    dropped: tuple[int, ...]                 # DP indices
+    slots: Mapping[int, int]
+    freed: tuple[int, ...]
+
+
+def plan_shrink(topo: Topology, lost_slots: Iterable[int]) -> ShrinkPlan | str:
+    """Shrink DP by every replica that lost a slot; a string says why the layout does not allow
+    it (then the caller checkpoints and exits instead)."""
+    lay = topo.layout
+    lost = set(lost_slots)
+    dropped = sorted({topo.coord(r).dp for s in lost for r in topo.slot_ranks(s)})
+    keep = [d for d in range(lay.dp) if d not in dropped]
+    if not keep:
+        return f"every DP replica lost a node (dp={lay.dp})"
+    new = replace(lay, dp=len(keep))
+    if new.world % new.ranks_per_node:
+        return (f"dp={new.dp} x pp={new.pp} x tp={new.tp} does not fill nodes of "
+                f"{new.ranks_per_node} ranks")
+    small = Topology(new)
+
+    def renumber(r: int) -> int | None:
+        c = topo.coord(r)
+        return small.rank(Coord(keep.index(c.dp), c.pp, c.tp)) if c.dp in keep else None
+
+    slots, freed = {}, []
+    for s in range(topo.slots):
+        new_ranks = [renumber(r) for r in topo.slot_ranks(s)]
+        if all(r is None for r in new_ranks):
+            if s not in lost:
+                freed.append(s)
+            continue
+        if None in new_ranks or tuple(new_ranks) != small.slot_ranks(small.slot_of(new_ranks[0])):
+            return f"node slot {s} holds ranks of replicas that are kept and dropped alike"
+        slots[s] = small.slot_of(new_ranks[0])
+    return ShrinkPlan(new, tuple(dropped), slots, tuple(freed))
 
 
 def straggler(busy_by_node: Mapping[str, list[float]], margin: float, window: int) -> tuple[str, float] | None:

@@ -30,7 +30,7 @@ class JobState(str, enum.Enum):
 
 
 NODE_TRANSITIONS: Mapping[Role, frozenset[Role]] = {
-    Role.ACTIVE: frozenset({Role.LEAVING, Role.FAILED, Role.RELEASED}),
+    Role.ACTIVE: frozenset({Role.LEAVING, Role.FAILED, Role.RELEASED, Role.STANDBY}),  # STANDBY: shrunk away
     Role.LEAVING: frozenset({Role.RELEASED, Role.FAILED, Role.ACTIVE}),   # ACTIVE: swap cancelled
     Role.STANDBY: frozenset({Role.JOINING, Role.FAILED, Role.RELEASED}),
     Role.JOINING: frozenset({Role.ACTIVE, Role.FAILED, Role.STANDBY}),    # STANDBY: swap cancelled
@@ -88,6 +88,16 @@ class NodeTable:
         self.log.emit("node_role", node=name, role=role.value, prev=n.role.value, slot=new.slot,
                       reason=reason, **details)
         return new
+
+    def set_slot(self, name: str, slot: int, *, reason: str) -> Node:
+        """An ACTIVE node keeps its processes' place but its ranks are renumbered (a shrink)."""
+        n = self.nodes[name]
+        if n.role != Role.ACTIVE:
+            raise TransitionError(f"node {name}: only an ACTIVE node changes slot, not {n.role.value}")
+        if n.slot != slot:
+            self.nodes[name] = replace(n, slot=slot)
+            self.log.emit("node_slot", node=name, role=n.role.value, prev=n.slot, slot=slot, reason=reason)
+        return self.nodes[name]
 
     def set_ready(self, name: str, ready: bool = True, **details) -> Node:
         n = self.nodes[name]

@@ -125,3 +125,34 @@ def test_no_standby_wait_policy_then_checkpoint(tmp_path):
     actions = [e["action"] for e in ran.kinds("standbys_exhausted")]
     assert actions[0] == "wait" and actions[-1] == "checkpoint_exit"
     assert ran.kinds("checkpoint_exit")
+
+
+def test_no_standby_shrink_drops_the_replica_and_trains_on_at_half_size(tmp_path):
+    """`when_exhausted: shrink`: replica 0 loses node1; replica 1 (node2, node4) goes on as the
+    dp=1 job, node3 (node1's partner) becomes a standby. The result must equal a dp=1 job
+    started from the shrink checkpoint: the shrunk job is exactly a fresh job of that size."""
+    ran = run_job(tmp_path, "4+0", STEPS, [(30, "kill", "node1")],
+                  sets=["standby.count=0", "standby.when_exhausted=shrink", "checkpoint.keep=100"])
+    assert ran.rc == 0
+    assert ran.kinds("standbys_exhausted")[0]["action"] == "shrink"
+    (planned,) = ran.kinds("shrink_planned")
+    assert (planned["dp_from"], planned["dp_to"], planned["freed"]) == (2, 1, ["node3"])
+    (rec,) = ran.interruption("unplanned")
+    assert rec["strategy"] == "shrink" and rec["dp_to"] == 1 and rec["lost_steps"] <= 1
+    slots = {e["node"]: e["slot"] for e in ran.kinds("node_slot")}
+    assert slots == {"node2": 0, "node4": 1}
+    roles = [(e["node"], e["role"]) for e in ran.kinds("node_role")]
+    assert ("node3", "STANDBY") in roles and ("node1", "FAILED") in roles
+    assert any(e["node"] == "node3" for e in ran.kinds("node_ready")), "node3 warmed up as a standby"
+
+    d = ckpt.step_dir(ran.job_dir / "checkpoints", planned["step"])
+    script, cfg = example_paths()
+    cmd = [sys.executable, "-m", "tm_slurm", "run", "--local", "2+0", "--config", str(cfg), "--dp", "1",
+           "--pp", "2", "--job-dir", str(tmp_path / "ref"), "--resume", str(d), "--set", "standby.count=0"]
+    for s in ROBUST:
+        cmd += ["--set", s]
+    rc = subprocess.run(cmd + ["--", sys.executable, str(script), "--steps", str(STEPS), *TINY],
+                        timeout=400, capture_output=True).returncode
+    assert rc == 0
+    ref = json.loads((tmp_path / "ref" / "result.json").read_text())
+    assert ran.result["digests"] == ref["digests"]

@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
     b.add_argument("--reps", type=int, default=3)
     b.add_argument("--scenarios", default=",".join(runs.SCENARIOS))
     b.add_argument("--strategies", default=",".join(runs.STRATEGIES))
-    b.add_argument("--steps", type=int, default=100)
+    b.add_argument("--steps", type=int, help="steps per run (default 100; 800 with --compile)")
     b.add_argument("--at-step", type=int, default=30,
                    help="the interruption comes at this step (or later: once every standby is warm)")
     b.add_argument("--hang-timeout", type=float, default=30.0,
@@ -43,7 +43,10 @@ def main(args) -> int:
               file=sys.stderr)
         return 2
     reps = 1 if args.quick else args.reps
-    steps, at = (60, 20) if args.quick else (args.steps, args.at_step)
+    # compiling every role in the sandbox takes a standby ~80 s here (while the active ranks
+    # compile too): a longer run, so the event still comes after it
+    steps = args.steps or (800 if args.compile else 100)
+    steps, at = (60, 20) if args.quick else (steps, args.at_step)
     hang = min(args.hang_timeout, 10.0) if args.quick else args.hang_timeout
     extra = (["--sleep", str(args.sleep)] if args.sleep else []) + (["--compile"] if args.compile else [])
     root = Path(args.out or Path.cwd() / "tm_slurm_jobs" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -54,8 +57,7 @@ def main(args) -> int:
     if args.analyze:
         samples = [runs.analyze(p.parent) for p in sorted(Path(args.analyze).glob("*/bench-sample.json"))]
         samples = [s for s in samples if s.scenario in scenarios and s.strategy in strategies]
-        reps = 0
-    for rep in range(reps):
+    for rep in range(0 if args.analyze else reps):
         for sc in scenarios:
             # rotate the order each repetition, so slow drift of the machine hits all alike
             order = strategies[rep % len(strategies):] + strategies[:rep % len(strategies)]
@@ -66,11 +68,11 @@ def main(args) -> int:
                     f"downtime {s.downtime_s:7.3f}s  steps redone {s.lost_steps}")
     say("  steady-state overhead: the same script with and without the runtime ...")
     plain, tm = [], []
-    for _ in range(max(1, reps)):
+    for _ in range(reps):
         plain.append(runs.plain_steady(root, steps, extra)[0])
         tm.append(runs.runtime_steady(root, steps, extra)[0])
     out = report(samples, scenarios, strategies, statistics.median(tm), statistics.median(plain))
-    out["config"] = {"reps": reps or "analyzed", "steps": steps, "at_step": at, "hang_timeout_s": hang, "node": runs.NODE,
+    out["config"] = {"reps": reps, "analyzed": args.analyze, "steps": steps, "at_step": at, "hang_timeout_s": hang, "node": runs.NODE,
                      "checkpoint_every": runs.CKPT_EVERY, "model": runs.MODEL, "out": str(root),
                      "wall_s": round(time.monotonic() - t0, 1)}
     (root / "bench.json").write_text(json.dumps(out, indent=1))

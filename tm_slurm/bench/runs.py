@@ -86,7 +86,11 @@ def run(root: Path, scenario: str, strategy: str, steps: int, at_step: int, hang
         t_event, info = r.done[0]["t"], {"interruptions": r.result()["interruptions"]}
     (job / "bench-sample.json").write_text(json.dumps({"scenario": scenario, "strategy": strategy,
                                                        "t_event": t_event, **info}))
-    return analyze(job)
+    try:
+        return analyze(job)
+    except ValueError as e:
+        raise RuntimeError(f"{strategy}/{scenario}: {e}: the job ended before the interruption took "
+                           f"effect (it waits for warm standbys); raise --steps; see {job}") from e
 
 
 def analyze(job: Path) -> Sample:

@@ -10,6 +10,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -68,13 +69,36 @@ def _nccl(store, build: GroupBuild, grank: int, timeout: float, device: torch.de
     return be
 
 
+class BuildAbandoned(RuntimeError):
+    """The plan a group was being built for was cancelled while this rank waited for the others."""
+
+
+def _gather(pstore, build: GroupBuild, grank: int, abandon: Callable[[], bool]) -> None:
+    """Wait until every member has arrived, giving up as soon as `abandon()` says so: a member
+    that died never arrives, and a rank blocked inside the backend's own rendezvous could not
+    take part in the next plan until the store timeout (a second failure during a recovery)."""
+    pstore.set(f"here/{grank}", "1")
+    keys = [f"here/{i}" for i in range(len(build.members))]
+    end = time.monotonic() + pstore.timeout.total_seconds()
+    while not pstore.check(keys):
+        if abandon():
+            raise BuildAbandoned(f"{build.id}: plan cancelled while waiting for its members")
+        if time.monotonic() > end:
+            raise TimeoutError(f"{build.id}: not every member of {build.members} arrived")
+        time.sleep(0.002)
+
+
 def build_group(store, build: GroupBuild, grank: int, *, device: torch.device, backend: str,
-                timeout: float, gloo_threads: int = 2, iface: str = "") -> Group:
-    """Collective over the members of `build` only; blocks until all of them have called it.
+                timeout: float, gloo_threads: int = 2, iface: str = "",
+                abandon: Callable[[], bool] | None = None) -> Group:
+    """Collective over the members of `build` only; blocks until all of them have called it
+    (or, with `abandon`, until that says the build is no longer wanted).
     `grank` is this process's rank in the group (explicit: a transfer link may hold the same
     global rank twice, the leaving and the joining copy)."""
     t0 = time.perf_counter()
     pstore = dist.PrefixStore(build.prefix, store)
+    if abandon is not None:
+        _gather(pstore, build, grank, abandon)
     pg = dist.ProcessGroup(pstore, grank, len(build.members))
     if backend == "nccl":
         be = _nccl(pstore, build, grank, timeout, device)

@@ -313,6 +313,10 @@ class Controller:
         if self.recovery is not None and self.recovery.state == "resumed":
             self.recovery.finish(interrupted=True)
         gen, step = self.abort_in_flight(f"{node} failed ({how})")
+        if self.restart is not None and self.restart.shrink is not None:
+            self.log.emit("shrink_failed", node=node, step=step, why=f"{node} failed during the shrink")
+            self.stop(f"{node} failed during a shrink ({how})", JobState.REQUEUED, code=self.requeue_code)
+            return
         if self.cfg.recovery.strategy == "restart":
             self._restart_after_failure(node, slot, step, t_fail or t_detect, how)
             return

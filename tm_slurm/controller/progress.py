@@ -22,6 +22,9 @@ class Progress:
     def __init__(self):
         self.by_rank: dict[int, dict[int, StepRecord]] = defaultdict(dict)
 
+    def clear(self) -> None:
+        self.by_rank.clear()
+
     def add(self, rank: int, entries) -> None:
         for e in entries:
             r = StepRecord(*e)

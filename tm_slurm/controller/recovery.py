@@ -14,9 +14,11 @@ import time
 from typing import TYPE_CHECKING
 
 from ..messages import CancelPlan, Move, Recover, Resume, ToWorkers, WriteCheckpoint
-from ..planner import PlanError, choose_joiner, exhausted_action, plan_recovery, recovery_needed
+from ..planner import (PlanError, ShrinkPlan, choose_joiner, exhausted_action, plan_recovery, plan_shrink,
+                       recovery_needed)
 from ..roles import JobState, Role
 from ..worker import checkpoint as ckpt
+from .restart import FullRestart
 
 if TYPE_CHECKING:
     from .core import Controller
@@ -122,8 +124,10 @@ class Recovery:
                 self.state, self.waiting_since = "waiting", self.waiting_since or now
                 return
             if action == "shrink":
-                ctl.log.emit("shrink_unsupported", step=self.step,
-                             why="shrinking DP changes the numerics; checkpointing instead")
+                sp = plan_shrink(ctl.topo, self.slots.values())
+                if not isinstance(sp, str):
+                    return self.shrink(sp)
+                ctl.log.emit("shrink_impossible", step=self.step, why=sp)
             self.checkpoint_exit("no standby left")
             return
         broken = {g for gs in self.aborted.values() for g in gs}
@@ -214,15 +218,28 @@ class Recovery:
         ctl.interruptions.append(rec)
         ctl.recovery = None
 
+    def _writers(self) -> tuple[list[int], list[str]]:
+        """One live replica per checkpoint shard, and the shards that have none."""
+        alive = set(self.live_ranks())
+        writers, missing = [], []
+        for shard in ckpt.shards(self.ctl.topo):
+            holders = sorted(r for r in alive if ckpt.shard_name(self.ctl.topo, r) == shard)
+            (writers.append(holders[0]) if holders else missing.append(shard))
+        return writers, missing
+
+    def shrink(self, sp: ShrinkPlan) -> None:
+        """No standby: go on without the DP replicas that lost a node (see restart.py)."""
+        ctl = self.ctl
+        why = ", ".join(f"{n}: {i['how']}" for n, i in self.failed.items())
+        ctl.recovery = None
+        ctl.restart = FullRestart(ctl, "unplanned", [], why, self.t_fail_wall, shrink=sp)
+        ctl.restart.start_shrink(self.gen, self.step, self._writers()[0])
+
     def checkpoint_exit(self, why: str) -> None:
         """Nothing can take the lost slots: the survivors write the last committed state (one live
         replica per shard) and the job ends with a status that requeues it."""
         ctl = self.ctl
-        alive = set(self.live_ranks())
-        writers, missing = [], []
-        for shard in ckpt.shards(ctl.topo):
-            holders = sorted(r for r in alive if ckpt.shard_name(ctl.topo, r) == shard)
-            (writers.append(holders[0]) if holders else missing.append(shard))
+        writers, missing = self._writers()
         if missing:
             ctl.log.emit("checkpoint_partial", step=self.step, missing_shards=missing,
                          why="no live replica; a requeued job resumes from the last complete checkpoint")

@@ -5,18 +5,25 @@ resumes from a checkpoint: for a planned event one written at the next step boun
 failure the newest valid periodic one (the steps since are redone). A standby takes the leaving
 or failed node's slot, cold.
 
-checkpointing (planned): the boundary checkpoint is pending; workers write it and exit.
+The same machinery shrinks the job (`standby.when_exhausted: shrink`, no standby for a lost slot):
+the survivors write the last committed state, every worker exits, and the job starts again in place
+with the DP replicas that lost a node dropped (their surviving nodes become standbys).
+
+checkpointing (planned, shrink): the checkpoint is pending; workers write it and exit.
 stopping:  every worker is being killed (after a failure).
 starting:  new workers were launched on every node holding a slot; done when all have started.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..comm import vote as votes
-from ..messages import Fence, GroupBuild, Move, Shutdown
+from ..messages import Fence, GroupBuild, Move, Shutdown, ToWorkers, WriteCheckpoint
+from ..planner import ShrinkPlan
 from ..roles import JobState, Role
+from ..topology import Topology
 from ..worker import checkpoint as ckpt
 
 if TYPE_CHECKING:
@@ -24,8 +31,11 @@ if TYPE_CHECKING:
 
 
 class FullRestart:
-    def __init__(self, ctl: "Controller", kind: str, moves: list[Move], reason: str, t_event: float):
+    def __init__(self, ctl: "Controller", kind: str, moves: list[Move], reason: str, t_event: float,
+                 shrink: ShrinkPlan | None = None):
         self.ctl, self.kind, self.moves, self.reason = ctl, kind, list(moves), reason
+        self.shrink = shrink
+        self.dp_from = ctl.cfg.layout.dp
         self.t_event = t_event
         self.t0 = time.monotonic()
         self.state = ""
@@ -61,6 +71,36 @@ class FullRestart:
                      reason=self.reason, kind_of="unplanned", step=aborted_step)
         self.state = "stopping"
 
+    def start_shrink(self, gen: int, step: int, writers: list[int]) -> None:
+        """The ranks are aborted at `step` of `gen` (a recovery was collecting): checkpoint its start."""
+        ctl, sp = self.ctl, self.shrink
+        self.aborted_step = self.exit_step = step
+        ctl.log.emit("shrink_planned", step=step, reason=self.reason, dp_from=self.dp_from,
+                     dp_to=sp.layout.dp, dropped_replicas=list(sp.dropped), writers=writers,
+                     freed=[n for n, x in ctl.nodes.nodes.items() if x.slot in sp.freed])
+        ctl.broadcast(ToWorkers(WriteCheckpoint(gen, step, tuple(writers), f"shrink: {self.reason}")))
+        self.state = "checkpointing"
+
+    def _apply_shrink(self) -> None:
+        """From here on the job is the smaller one: layout, ranks, slots, holders."""
+        ctl, sp = self.ctl, self.shrink
+        ctl.cfg = replace(ctl.cfg, layout=sp.layout)
+        ctl.topo = Topology(sp.layout)
+        ctl.holder.clear()
+        ctl.progress.clear()          # its records are keyed by the old rank numbers
+        for name, n in sorted(ctl.nodes.nodes.items()):
+            if n.role != Role.ACTIVE:
+                continue
+            if n.slot in sp.freed:
+                ctl.nodes.set_role(name, Role.STANDBY, reason="shrink: its DP replica was dropped")
+                ctl.nodes.set_ready(name, False, why="a standby again: not warm yet")
+                ctl.standby_up.pop(name, None)
+                ctl.send(name, ctl._launch_msg(name))
+            else:
+                ctl.nodes.set_slot(name, sp.slots[n.slot], reason="shrink: ranks renumbered")
+                for r in ctl.topo.slot_ranks(sp.slots[n.slot]):
+                    ctl.holder[r] = name
+
     # ------------------------------------------------------------ progress
     def _all_exited(self) -> bool:
         live = self._slot_nodes() | {m.joiner for m in self.moves}
@@ -93,6 +133,8 @@ class FullRestart:
         ctl = self.ctl
         gen = ctl.new_gen()
         ctl.gen = ctl.log.gen = gen
+        if self.shrink is not None:
+            self._apply_shrink()
         for m in self.moves:
             for r in ctl.topo.slot_ranks(m.slot):
                 ctl.holder[r] = m.joiner
@@ -120,7 +162,9 @@ class FullRestart:
                "phases": {"stop_s": round(self.t_launch - self.t0, 4),
                           "start_s": round(time.monotonic() - self.t_launch, 4)},
                "stall_s": None}
-        ctl.log.emit("restart_complete", node=rec["node"], step=self.from_step,
+        if self.shrink is not None:
+            rec.update(strategy="shrink", fallback="shrink", dp_from=self.dp_from, dp_to=ctl.cfg.layout.dp)
+        ctl.log.emit("shrink_complete" if self.shrink else "restart_complete", node=rec["node"], step=self.from_step,
                      **{k: v for k, v in rec.items() if k not in ("node", "kind")})
         ctl.interruptions.append(rec)
         ctl.restart = None

@@ -93,7 +93,7 @@ def _join(w: Worker, msg: Prepare | Recover, build_fn: BuildFn) -> int:
     built: dict = {}
     try:
         w.build(store_client(w.launch.store, w.T.phase1_timeout_s if isinstance(msg, Prepare)
-                             else w.T.rebuild_timeout_s), w.plan_builds(plan, joiner=True), True, built)
+                             else w.T.rebuild_timeout_s), w.plan_builds(plan, joiner=True), True, built, plan.id)
     except Exception as e:
         w.reaper.drop(built.values())
         w.report("prepare_failed" if isinstance(msg, Prepare) else "recover_failed", None,
@@ -163,7 +163,7 @@ def recover(w: Worker, step: int, d: votes.Decision) -> int:
             t0 = time.perf_counter()
             try:
                 w.build(store_client(w.launch.store, w.T.rebuild_timeout_s),
-                        w.plan_builds(plan, joiner=False), out=built)
+                        w.plan_builds(plan, joiner=False), out=built, plan_id=plan.id)
             except Exception as e:
                 w.reaper.drop(built.values())
                 w.report("recover_failed", step, plan=plan.id, error=f"{type(e).__name__}: {e}"[:300])

@@ -98,12 +98,13 @@ class Worker:
 
     # ------------------------------------------------------------ groups
     def build(self, store, builds: list[GroupBuild], joiner: bool = False,
-              out: dict[str, Group] | None = None) -> dict[str, Group]:
+              out: dict[str, Group] | None = None, plan_id: int | None = None) -> dict[str, Group]:
         """Build, in the job-wide order of prefixes (so no two ranks wait on each other in a
         cycle), every group of `builds` this rank belongs to, into `out` (which keeps what was
         built if a later build fails). A transfer link's sender is group rank 0 and the joiner
         group rank 1: both may hold the same global rank number."""
         out = {} if out is None else out
+        abandon = None if plan_id is None else (lambda: plan_id in self.inbox.cancelled)
         for b in sorted(builds, key=lambda b: b.prefix):
             if is_link(b):
                 grank = 1 if joiner else 0
@@ -113,7 +114,8 @@ class Worker:
                 continue
             out[b.prefix] = build_group(store, b, grank, device=self.device, backend=self.backend,
                                         timeout=self.T.collective_timeout_s,
-                                        gloo_threads=self.cfg.comm.gloo_threads, iface=self.iface)
+                                        gloo_threads=self.cfg.comm.gloo_threads, iface=self.iface,
+                                        abandon=abandon)
         return out
 
     def plan_builds(self, plan: SwapPlan, joiner: bool) -> list[GroupBuild]:
@@ -143,7 +145,7 @@ class Worker:
         t0 = time.perf_counter()
         built: dict[str, Group] = {}
         try:
-            self.build(store_client(self.launch.store, self.T.phase1_timeout_s), mine, out=built)
+            self.build(store_client(self.launch.store, self.T.phase1_timeout_s), mine, out=built, plan_id=plan.id)
         except Exception as e:
             self.reaper.drop(built.values())
             self.report("prepare_failed", self.step, plan=plan.id, error=f"{type(e).__name__}: {e}"[:300])

@@ -105,7 +105,9 @@ def rehearsal_ranks(topo: Topology) -> list[int]:
 def rehearse(w, build_fn, step_fn, steps: int, wait_standins_s: float = 30.0) -> dict:
     """Run the rehearsals in worker `w` (not yet holding a rank). Returns what was warmed."""
     from .context import make_context
-    deadline = time.monotonic() + wait_standins_s
+    # stand-ins are what a stage receives from its neighbour: without PP nothing is received,
+    # so nothing is recorded and there is nothing to wait for
+    deadline = time.monotonic() + (wait_standins_s if w.topo.layout.pp > 1 else 0.0)
     standins = load_standins(w.job_dir)
     while not standins and time.monotonic() < deadline and w.inbox.assignments.empty():
         time.sleep(0.2)
