@@ -67,3 +67,12 @@ def test_every_strategy_runs_with_a_valid_config(strategy, scenario):
     from tm_slurm import config as C
     example = Path(__file__).parent.parent / "sbatch" / "example.yaml"
     C.load(example, dict(C.parse_override(s) for s in runs._sets(strategy, scenario, 30.0)))
+
+
+def test_a_stall_long_after_the_event_counts_when_the_runtime_says_it_was_then():
+    # a planned swap with a cold joiner: training goes on through phase 1, the switch stalls later
+    steps = run(80, gap_after=40, gap=1.5)
+    t_event = steps[20].wall + 0.01
+    assert M.downtime(steps, t_event)[0] == pytest.approx(0.0)          # outside the window
+    dt, d = M.downtime(steps, t_event, t_done=steps[41].wall + 0.01)
+    assert dt == pytest.approx(1.5) and d["window_to_step"] == 47

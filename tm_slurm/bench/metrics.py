@@ -29,11 +29,13 @@ def pace(steps: list[Step], last: int = 15) -> float:
     return statistics.median(durs)
 
 
-def downtime(steps: list[Step], t_event: float, window: int = 6) -> tuple[float, dict]:
+def downtime(steps: list[Step], t_event: float, window: int = 6,
+             t_done: float | None = None) -> tuple[float, dict]:
     """`steps` in commit order, possibly across a restart (a step committed twice: redone).
-    Measured from the last commit before the event to the commit `window` steps later: long
-    enough to hold any recovery (it delays the next commit, whatever its length), short enough
-    that the noise of the pace weighs on a few steps only."""
+    Measured from the last commit before the event to the commit `window` steps later (or
+    `window` steps after `t_done`, when the interruption was over: a planned swap with a cold
+    joiner trains on through a long phase 1 and stalls only at its end): long enough to hold
+    any recovery, short enough that the noise of the pace weighs on few steps."""
     before = [s for s in steps if s.wall <= t_event]
     if not before:
         raise ValueError("the event happened before the first step")
@@ -42,7 +44,10 @@ def downtime(steps: list[Step], t_event: float, window: int = 6) -> tuple[float,
     after = [s for s in steps if s.wall > t_event]
     if not after:
         raise ValueError("no step committed after the event")
-    target = min(last.step + window, max(s.step for s in after))
+    start = last.step
+    if t_done is not None:
+        start = max([start] + [s.step for s in after if s.wall <= t_done])
+    target = min(start + window, max(s.step for s in after))
     t_k = max(s.wall for s in after if s.step == target)
     dt = (t_k - last.wall) - (target - last.step) * p
     redone = max(0, last.step + 1 - min(s.step for s in after))

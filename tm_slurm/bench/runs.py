@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import events as evlog
 from .. import jobdir
 from ..controller.requests import submit
 from ..demo import JobRun
@@ -93,10 +94,20 @@ def run(root: Path, scenario: str, strategy: str, steps: int, at_step: int, hang
                            f"effect (it waits for warm standbys); raise --steps; see {job}") from e
 
 
+DONE_KINDS = ("swap_complete", "recovery_complete", "restart_complete", "shrink_complete")
+
+
+def _done_at(job: Path, t_event: float) -> float | None:
+    """When the runtime said the interruption was over (None: it did not say, e.g. a new job)."""
+    f = jobdir.events_file(job)
+    ts = [e["ts"] for e in (evlog.read(f) if f.exists() else ()) if e["kind"] in DONE_KINDS and e["ts"] > t_event]
+    return min(ts, default=None)
+
+
 def analyze(job: Path) -> Sample:
     """A sample from its job directory (`bench-sample.json` says what was done when)."""
     meta = json.loads((job / "bench-sample.json").read_text())
-    dt, d = metrics.downtime(_steps(job), meta["t_event"])
+    dt, d = metrics.downtime(_steps(job), meta["t_event"], t_done=_done_at(job, meta["t_event"]))
     info = {k: v for k, v in meta.items() if k not in ("scenario", "strategy", "t_event")}
     return Sample(meta["scenario"], meta["strategy"], dt, d["lost_steps"], d["steady_step_s"], str(job),
                   {**d, **info})
