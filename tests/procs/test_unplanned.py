@@ -131,7 +131,8 @@ def test_no_standby_shrink_drops_the_replica_and_trains_on_at_half_size(tmp_path
     """`when_exhausted: shrink`: replica 0 loses node1; replica 1 (node2, node4) goes on as the
     dp=1 job, node3 (node1's partner) becomes a standby. The result must equal a dp=1 job
     started from the shrink checkpoint: the shrunk job is exactly a fresh job of that size."""
-    ran = run_job(tmp_path, "4+0", STEPS, [(30, "kill", "node1")],
+    steps = STEPS + 100           # time enough for node3 to warm up as a standby after the shrink
+    ran = run_job(tmp_path, "4+0", steps, [(30, "kill", "node1")],
                   sets=["standby.count=0", "standby.when_exhausted=shrink", "checkpoint.keep=100"])
     assert ran.rc == 0
     assert ran.kinds("standbys_exhausted")[0]["action"] == "shrink"
@@ -151,7 +152,7 @@ def test_no_standby_shrink_drops_the_replica_and_trains_on_at_half_size(tmp_path
            "--pp", "2", "--job-dir", str(tmp_path / "ref"), "--resume", str(d), "--set", "standby.count=0"]
     for s in ROBUST:
         cmd += ["--set", s]
-    rc = subprocess.run(cmd + ["--", sys.executable, str(script), "--steps", str(STEPS), *TINY],
+    rc = subprocess.run(cmd + ["--", sys.executable, str(script), "--steps", str(steps), *TINY],
                         timeout=400, capture_output=True).returncode
     assert rc == 0
     ref = json.loads((tmp_path / "ref" / "result.json").read_text())

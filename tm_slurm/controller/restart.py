@@ -120,6 +120,10 @@ class FullRestart:
                 self.from_step = self.exit_step
                 self.path = str(ckpt.step_dir(ckpt.root(ctl.cfg, ctl.job_dir), self.from_step))
                 self.relaunch()
+            elif self._all_exited() and now - self.t0 > ctl.T.shutdown_s:
+                # every worker is gone, its shard never came (a writer died writing it)
+                ctl.log.emit("restart_failed", step=self.exit_step, why="the checkpoint to restart from is incomplete")
+                ctl.stop("restart checkpoint incomplete", JobState.REQUEUED, code=ctl.requeue_code)
         elif self.state == "stopping" and (self._all_exited() or now - self.t0 > ctl.T.shutdown_s):
             found, rejected = ckpt.latest_valid(ckpt.root(ctl.cfg, ctl.job_dir), ctl.topo)
             for s, why in rejected:
