@@ -383,7 +383,26 @@ class Controller:
             if silent > self.T.heartbeat_timeout_s:
                 self.fail(node, "heartbeat_timeout", silent_s=round(silent, 3))
         for node, rc in self.launcher.poll():
+            self._last_words(node)
             self._agent_gone(node, f"agent process ended rc={rc}")
+
+    def _last_words(self, node: str) -> None:
+        """Read what an agent sent before its process ended: the exit is often seen before its
+        last messages (its workers' exits, its bye) have been polled. A leaver always says bye,
+        so for it wait briefly; anyone else may have died without a word."""
+        ch = self.channels.get(node)
+        n = self.nodes.nodes.get(node)
+        if ch is None or n is None:
+            return
+        end = time.monotonic() + (0.5 if n.role == Role.LEAVING else 0.0)
+        while not ch.dead and node not in self._agents_gone:
+            msgs = ch.poll()
+            for m in msgs:
+                self._dispatch(node, m)
+            if not msgs and time.monotonic() >= end:
+                return
+            if not msgs:
+                time.sleep(0.002)
 
     # ------------------------------------------------------------ stopping
     def abort_and_stop(self, why: str) -> None:
