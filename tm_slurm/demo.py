@@ -136,15 +136,17 @@ def _progress(job: Path) -> tuple[int | None, bool]:
     return st.get("committed_step"), warm
 
 
-def scenario_actions(scenario: str, steps: int) -> tuple[str, list[tuple[int, str, str]]]:
-    """(--local spec, [(at step, action, node)]). node2 holds rank 1 (first stage, dp 1); node4
-    holds rank 3 (last stage, dp 1)."""
-    a, b = max(3, steps // 3), max(6, (2 * steps) // 3)
+def scenario_actions(scenario: str, steps: int) -> tuple[str, list[tuple[int | str, str, str]]]:
+    """(--local spec, [(at step or after an event kind, action, node)]). node2 holds rank 1
+    (first stage, dp 1); node4 holds rank 3 (last stage, dp 1). In the combined scenario the
+    kill waits for the drain's swap to complete: a standby that warmed up late would otherwise
+    put both events into the same few steps."""
+    a = max(3, steps // 4)
     if scenario == "planned":
         return "4+1", [(a, "drain", "node2")]
     if scenario == "unplanned":
         return "4+1", [(a, "kill", "node4")]
-    return "4+2", [(a, "drain", "node2"), (b, "kill", "node4")]
+    return "4+2", [(a, "drain", "node2"), ("swap_complete", "kill", "node4")]
 
 
 def describe(e: dict) -> str | None:
@@ -162,7 +164,8 @@ def describe(e: dict) -> str | None:
     if k == "switch":
         return f"switch at the boundary after step {e['step']}"
     if k == "swap_complete":
-        return (f"swap complete: stall {e['stall_s']}s, state {e['state_bytes'] / 1e6:.1f} MB in "
+        return (f"swap complete{' (measuring cut short)' if e.get('interrupted') else ''}: "
+                f"stall {e['stall_s']}s, state {e['state_bytes'] / 1e6:.1f} MB in "
                 f"{e['phases']['transfer_s']}s, groups rebuilt {e['groups_rebuilt']} / kept {e['groups_kept']}")
     if k == "node_released":
         return f"{e['node']} released ({e['why']})"
@@ -199,7 +202,8 @@ def main(args) -> int:
     extra = ["--compile"] if args.compile else []
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     say(f"tm-slurm demo: example GPT, DP=2 x PP=2, {steps} steps; reference run, then a run with "
-        f"{', '.join(f'{v} {n} at step {s}' for s, v, n in actions)}  ({root})")
+        f"{', '.join(f'{v} {n} ' + (f'from step {s} once the standbys are warm' if isinstance(s, int) else f'after {s}') for s, v, n in actions)}"
+        f"  ({root})")
     timeout = 600 + (900 if args.compile else 0)
     ref = JobRun(root / "reference", "4+0", steps, [], script_args=extra, sets=["standby.count=0"])
     rc_ref = ref.run(timeout)

@@ -73,6 +73,8 @@ def test_joiner_dies_during_planned_swap(tmp_path, reference):
         assert [s["joiner"] for s in ran.interruption("planned")] == ["node6"]
     else:
         assert [r["node"] for r in ran.interruption("unplanned")] == ["node5"]
+        # the switch stands and is recorded, its measurement cut short by the failure
+        assert [(s["node"], s["interrupted"]) for s in ran.interruption("planned")] == [("node2", True)]
 
 
 def test_no_replica_falls_back_to_the_last_checkpoint(tmp_path, reference):

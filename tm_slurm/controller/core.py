@@ -320,16 +320,15 @@ class Controller:
         if self.cfg.recovery.strategy == "restart":
             self._restart_after_failure(node, slot, step, t_fail or t_detect, how)
             return
+        if self.swap is not None and gen == self.gen and self.swap.state != "switched":
+            self.swap.cancel(f"{node} failed ({how})")   # unless a commit carried the switch already
         if self.swap is not None:
-            if gen != self.gen or self.swap.state == "switched":
-                k = self.store.get(votes.switch_key(self.swap.plan.id))
-                self.swap.on_switched(int(k))
-                slot = next((m.slot for m in self.swap.plan.moves if m.joiner == node), slot)
-                if node in self.swap.plan.leavers:
-                    slot = None          # its ranks had moved already
-                self.swap = None
-            else:
-                self.swap.cancel(f"{node} failed ({how})")
+            # the switch stands: the failed node's slot is the one it holds after it
+            self.swap.on_switched(int(self.store.get(votes.switch_key(self.swap.plan.id))))
+            slot = next((m.slot for m in self.swap.plan.moves if m.joiner == node), slot)
+            if node in self.swap.plan.leavers:
+                slot = None          # its ranks had moved already
+            self.swap.finish(interrupted=True)
         if slot is None and node in self.holder.values():
             slot = self.topo.slot_of(next(r for r, h in self.holder.items() if h == node))
         if self.recovery is None:
@@ -413,7 +412,7 @@ class Controller:
         if self.ending is not None:
             return
         if self.swap is not None and self.swap.state == "switched" and self.swap.joined:
-            self.swap.finish()           # the job ended inside the measuring window
+            self.swap.finish(interrupted=True)   # the job ended inside the measuring window
         self.job.set(JobState.STOPPING, why=why)
         self.ending = Ending(why, final, code, wait_workers, time.monotonic())
 

@@ -101,7 +101,10 @@ class PlannedSwap:
         self.t_switched = time.monotonic() if now is None else now
         ctl.adopt(plan)
         for m in plan.moves:
-            ctl.nodes.set_role(m.joiner, Role.ACTIVE, reason="switched", plan=plan.id, slot=m.slot)
+            # a joiner that died after the commit carrying the switch stays FAILED: its slot is
+            # recovered like any other active node's
+            if ctl.nodes.nodes[m.joiner].role != Role.FAILED:
+                ctl.nodes.set_role(m.joiner, Role.ACTIVE, reason="switched", plan=plan.id, slot=m.slot)
         ctl.job.set(JobState.RUNNING, plan=plan.id)
         ctl.log.emit("switch", node=plan.leavers[0], step=step, plan=plan.id, joiner=plan.joiners[0],
                      pending_to_switch_s=round(self.t_switched - (self.t_ready or self.t0), 4))
@@ -118,12 +121,22 @@ class PlannedSwap:
                 and all(r in self.joined for r in self.plan.ranks)
                 and self.ctl.progress.all_at(k1 + self._window(), range(self.ctl.topo.world)))
 
-    def finish(self) -> None:
+    def _measured(self) -> int:
+        """Steps after the first one of the new membership that every rank has committed."""
+        k1, world = self.switch_step + 1, range(self.ctl.topo.world)
+        w = 0
+        while w < self.POST_WINDOW and self.ctl.progress.all_at(k1 + 1 + w, world):
+            w += 1
+        return w
+
+    def finish(self, interrupted: bool = False) -> None:
         """Stall = the switch step's time minus the steady step time after the swap (before it, a
-        standby's warm-up may have shared the machine; on a cluster it has its own)."""
+        standby's warm-up may have shared the machine; on a cluster it has its own).
+        `interrupted`: a failure or the job's end cut the measuring window short; the swap is
+        recorded with what was measured."""
         ctl, plan = self.ctl, self.plan
         k1 = self.switch_step + 1
-        w = self._window()
+        w = self._measured() if interrupted else self._window()
         steady = ctl.progress.steady_between(k1 + 1, k1 + w) if w >= 3 else None
         if steady is None:
             steady = ctl.progress.steady(before=self.steady_before + 1 if self.steady_before is not None else None)
@@ -138,8 +151,8 @@ class PlannedSwap:
             "reason": self.reason, "switch_step": self.switch_step,
             "stall_s": _r(stall), "steady_step_s": _r(steady), "joiner_first_step_s": _r(joiner_first),
             "phases": {
-                "phase1_s": _r(self.t_ready - self.t0),
-                "wait_for_boundary_s": _r(self.t_switched - self.t_ready),
+                "phase1_s": _r(self.t_ready - self.t0) if self.t_ready else None,
+                "wait_for_boundary_s": _r(self.t_switched - self.t_ready) if self.t_ready else None,
                 "switch_s": _r(max((d.get("switch_s", 0.0) for d in self.switched.values()), default=0.0)),
                 "transfer_s": _r(transfer_s),
                 "switch_step_s": _r(slow.dur_s if slow else None),
@@ -149,6 +162,7 @@ class PlannedSwap:
             "state_bytes": state_bytes,
             "transfer_gbps": _r(state_bytes / transfer_s / 1e9 if transfer_s > 0 else None),
             "event_to_plan_s": _r(self.plan_wall - self.requested_wall),
+            "interrupted": interrupted,
         }
         ctl.log.emit("swap_complete", node=rec["node"], step=k1,
                      **{key: val for key, val in rec.items() if key not in ("node", "kind")})
