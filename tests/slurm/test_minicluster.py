@@ -226,6 +226,8 @@ def test_up_fails_clearly_when_slurm_is_missing(tmp_path, monkeypatch):
 
 def test_down_leaves_no_namespace_and_no_process(healthy_cluster):
     mc = healthy_cluster
+    before = int(_out(mc, "sbatch", "--parsable", "-N1", "-o", "/dev/null", "--wrap", "true").strip().split(";")[0])
+    mc.cancel_jobs()
     pids = mc.pids()
     assert len(mc.namespaces()) == NODES + 1 and len(_inits(mc)) == NODES + 1
     took = mc.down()
@@ -237,3 +239,7 @@ def test_down_leaves_no_namespace_and_no_process(healthy_cluster):
     assert (mc.run_dir / "last-logs" / "slurmctld.log").exists()
     took = mc.up(nodes=NODES)  # from nothing; later tests of the session get their cluster back
     print(f"[timing] up from nothing: {took:.2f} s")
+    # job ids go on: a new job never takes over an earlier job's tm_slurm_jobs/<id>
+    after = int(_out(mc, "sbatch", "--parsable", "-N1", "-o", "/dev/null", "--wrap", "true").strip().split(";")[0])
+    mc.cancel_jobs()
+    assert after > before, (before, after)

@@ -100,8 +100,10 @@ def submit(healthy_cluster, tmp_path):
         return job
 
     yield go
+    # ended, not only asked to end: a controller still stopping would write into its job
+    # directory after the rmtree
+    healthy_cluster.cancel_jobs()
     for job in made:
-        healthy_cluster.run(["scancel", job.id])
         shutil.rmtree(job.dir, ignore_errors=True)
 
 

@@ -398,9 +398,9 @@ class Controller:
             msgs = ch.poll()
             for m in msgs:
                 self._dispatch(node, m)
-            if not msgs and time.monotonic() >= end:
-                return
             if not msgs:
+                if time.monotonic() >= end:
+                    return
                 time.sleep(0.002)
 
     # ------------------------------------------------------------ stopping

@@ -14,6 +14,11 @@ say() { [ -n "$QUIET" ] || log "$@"; }
 
 alive() { local p; for p in "$@"; do [ -d "/proc/$p" ] && return 0; done; return 1; }
 
+# 0. job ids go on where they stopped at the next up (FirstJobId): a job directory keyed by
+#    the id (tm_slurm_jobs/<id>) must never be taken over by a later job
+next=$(timeout 5 "$BIN/scontrol" show config 2>/dev/null | awk '$1 == "NEXT_JOB_ID" {print $3}')
+[[ "$next" =~ ^[0-9]+$ ]] && echo "$next" >"$DIR/next-job-id"
+
 # 1. SIGTERM to every machine's PID 1 (slurmctld saves its state, the daemons log
 #    their exit) and to munged, all at once; SIGKILL whatever is left after 3 s.
 #    Everything is discarded anyway, and a slurmd that lost its network can take
@@ -57,7 +62,7 @@ if [ -d "$RUN/log" ] && [ -z "$PURGE" ]; then
   rm -rf "$DIR/last-logs" && mv "$RUN/log" "$DIR/last-logs"
 fi
 rm -rf "$RUN" "$BIN"
-[ -z "$PURGE" ] || { rm -rf "$DIR/last-logs"; rmdir "$DIR" 2>/dev/null; }
+[ -z "$PURGE" ] || { rm -rf "$DIR/last-logs" "$DIR/next-job-id"; rmdir "$DIR" 2>/dev/null; }
 
 left=$(cluster_ns)
 [ -z "$left" ] || die "namespaces left: $(echo $left)"

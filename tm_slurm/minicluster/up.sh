@@ -98,6 +98,8 @@ CredType=cred/munge
 # cred_expire is also the delay before a requeued job may start again (default 120 s)
 AuthInfo=socket=$RUN/run/munge.socket,cred_expire=10
 StateSaveLocation=$RUN/state/slurmctld
+# ids continue across down/up (down.sh saves the next one): job directories are keyed by them
+FirstJobId=$(cat "$DIR/next-job-id" 2>/dev/null || echo 1)
 SlurmdSpoolDir=$RUN/spool/%n
 SlurmctldPidFile=$RUN/run/slurmctld.pid
 SlurmdPidFile=$RUN/run/slurmd.%n.pid
