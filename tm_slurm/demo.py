@@ -149,6 +149,10 @@ def scenario_actions(scenario: str, steps: int) -> tuple[str, list[tuple[int | s
     return "4+2", [(a, "drain", "node2"), ("swap_complete", "kill", "node4")]
 
 
+def _when(at: int | str) -> str:
+    return f"from step {at} once the standbys are warm" if isinstance(at, int) else f"after {at}"
+
+
 def describe(e: dict) -> str | None:
     """One line for a timeline, for the event kinds a reader of the demo cares about."""
     k = e["kind"]
@@ -202,8 +206,7 @@ def main(args) -> int:
     extra = ["--compile"] if args.compile else []
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     say(f"tm-slurm demo: example GPT, DP=2 x PP=2, {steps} steps; reference run, then a run with "
-        f"{', '.join(f'{v} {n} ' + (f'from step {s} once the standbys are warm' if isinstance(s, int) else f'after {s}') for s, v, n in actions)}"
-        f"  ({root})")
+        f"{', '.join(f'{v} {n} {_when(at)}' for at, v, n in actions)}  ({root})")
     timeout = 600 + (900 if args.compile else 0)
     ref = JobRun(root / "reference", "4+0", steps, [], script_args=extra, sets=["standby.count=0"])
     rc_ref = ref.run(timeout)

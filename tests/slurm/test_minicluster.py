@@ -224,10 +224,16 @@ def test_up_fails_clearly_when_slurm_is_missing(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- teardown (keep last)
 
+def _job_id(mc: MiniCluster) -> int:
+    """The id a new job gets (the job itself is cancelled at once)."""
+    job = int(_out(mc, "sbatch", "--parsable", "-N1", "-o", "/dev/null", "--wrap", "true").split(";")[0])
+    mc.cancel_jobs()
+    return job
+
+
 def test_down_leaves_no_namespace_and_no_process(healthy_cluster):
     mc = healthy_cluster
-    before = int(_out(mc, "sbatch", "--parsable", "-N1", "-o", "/dev/null", "--wrap", "true").strip().split(";")[0])
-    mc.cancel_jobs()
+    before = _job_id(mc)
     pids = mc.pids()
     assert len(mc.namespaces()) == NODES + 1 and len(_inits(mc)) == NODES + 1
     took = mc.down()
@@ -240,6 +246,5 @@ def test_down_leaves_no_namespace_and_no_process(healthy_cluster):
     took = mc.up(nodes=NODES)  # from nothing; later tests of the session get their cluster back
     print(f"[timing] up from nothing: {took:.2f} s")
     # job ids go on: a new job never takes over an earlier job's tm_slurm_jobs/<id>
-    after = int(_out(mc, "sbatch", "--parsable", "-N1", "-o", "/dev/null", "--wrap", "true").strip().split(";")[0])
-    mc.cancel_jobs()
+    after = _job_id(mc)
     assert after > before, (before, after)
