@@ -5,8 +5,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+import pytest
+
+from tm_slurm.comm.sealed import SealedStore
+from tm_slurm.control.auth import AuthError, Keys, Sealer
 from tm_slurm.messages import GroupBuild
 from tm_slurm.worker.state import TrainState, digest, manifest, nbytes, recv_state, send_state
+
+KEYS = Keys.derive(b"s" * 32)
 
 
 def make(seed, warm):
@@ -23,35 +29,44 @@ def make(seed, warm):
     return TrainState(m, opt, sched, extra={"tokens_seen": 123 if warm else 0})
 
 
-def _peer(rank, port, q, receiver_warm):
+def _peer(rank, port, q, receiver_warm, sender_secret=b"s" * 32):
     from tm_slurm.comm.groups import build_group
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                          timeout=timedelta(seconds=30))
+    store = SealedStore(dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                                      timeout=timedelta(seconds=30)), KEYS)
     g = build_group(store, GroupBuild("xfer", (0, 1), "t/xfer"), rank, device=torch.device("cpu"),
                     backend="gloo", timeout=30, iface="127.0.0.1")
     if rank == 0:
         st = make(0, warm=True)
-        info = send_state(g.pg, st, 42, peer=1)
+        try:
+            info = send_state(g.pg, st, 42, Sealer(Keys.derive(sender_secret), "j", "w0"), peer=1)
+        except RuntimeError as e:        # the receiver refused the manifest and left
+            info = str(e)
         q.put(("sent", digest(st), info))
     else:
         st = make(1, warm=receiver_warm)
         ptrs = [t.data_ptr() for t in [p.data for p in st.model.parameters()]]
-        step, info = recv_state(g.pg, st, peer=0)
+        before = digest(st)
+        try:
+            step, info = recv_state(g.pg, st, Sealer(KEYS, "j", "w1"), peer=0)
+        except AuthError as e:
+            q.put(("got", digest(st) == before, str(e)))
+            return
         same_storage = ptrs == [p.data.data_ptr() for p in st.model.parameters()]
         q.put(("got", digest(st), step, same_storage, st.extra))
 
 
-def _run(receiver_warm):
+def _run(receiver_warm, sender_secret=b"s" * 32):
     m = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     ctx = mp.get_context("fork")   # torch is already imported here: no second import
     q = ctx.Queue()
-    ps = [ctx.Process(target=_peer, args=(r, m.port, q, receiver_warm)) for r in (0, 1)]
+    ps = [ctx.Process(target=_peer, args=(r, m.port, q, receiver_warm, sender_secret)) for r in (0, 1)]
     for p in ps:
         p.start()
     res = {x[0]: x for x in (q.get(timeout=120), q.get(timeout=120))}
     for p in ps:
         p.join(30)
-        assert p.exitcode == 0
+        if p.exitcode is None:
+            p.kill()
     return res
 
 
@@ -67,6 +82,11 @@ def test_transfer_into_a_warm_receiver_reuses_its_tensors():
     assert res["sent"][1] == res["got"][1] and res["got"][3] is True
 
 
+def test_a_manifest_not_sealed_with_the_job_secret_is_refused_before_anything_is_applied():
+    res = _run(receiver_warm=True, sender_secret=b"x" * 32)
+    assert res["got"][1] is True and "bad MAC" in res["got"][2]
+
+
 def test_digest_sees_every_bit():
     a, b = make(0, True), make(0, True)
     assert digest(a) == digest(b)
@@ -76,4 +96,4 @@ def test_digest_sees_every_bit():
     assert digest(a) != digest(b)
     b.optimizer.param_groups[0]["lr"] *= 2
     assert digest(make(0, True)) != digest(b)
-    assert nbytes(a) > 0 and manifest(a, 3)["step"] == 3
+    assert nbytes(a) > 0 and manifest(a, 3).step == 3

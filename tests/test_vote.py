@@ -21,7 +21,7 @@ def client(m):
 
 def vote_all(m, world, gen, step, oks):
     out = [None] * world
-    ths = [threading.Thread(target=lambda i=i: out.__setitem__(i, V.vote(client(m), gen, step, world, oks[i], 5.0)))
+    ths = [threading.Thread(target=lambda i=i: out.__setitem__(i, V.vote(client(m), gen, step, world, oks[i], 5.0, i)))
            for i in range(world)]
     for t in ths:
         t.start()
@@ -60,7 +60,7 @@ def test_controller_abort_lands_on_the_in_flight_step(store):
     vote_all(store, 2, 0, 1, [True, True])
     assert V.abort_in_flight(store, 0, 0, 3, "node failed") == (0, 2)
     # a rank arriving late at step 2 sees the abort
-    assert not V.vote(client(store), 0, 2, 2, True, 5.0).commit
+    assert not V.vote(client(store), 0, 2, 2, True, 5.0, 0).commit
 
 
 def test_abort_follows_a_committed_switch(store):
@@ -72,9 +72,9 @@ def test_abort_follows_a_committed_switch(store):
 def test_abort_reaches_a_new_generation_whose_first_step_is_not_the_lower_bound(store):
     # generation 3 started at step 40 (a switch); the controller only knows "about step 39"
     assert V.abort_in_flight(store, 3, 39, 41, "joiner died") == (3, 39)
-    assert not V.vote(client(store), 3, 40, 2, True, 5.0).commit
+    assert not V.vote(client(store), 3, 40, 2, True, 5.0, 0).commit
 
 
 def test_missing_voter_times_out_into_abort(store):
-    d = V.vote(client(store), 0, 0, 2, True, 0.3)
+    d = V.vote(client(store), 0, 0, 2, True, 0.3, 0)
     assert not d.commit and "no decision" in d.why

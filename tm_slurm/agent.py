@@ -17,11 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import jobdir as paths
+from .control import auth
 from .control import mpi as mpictl
 from .control.wire import Wire
-from .messages import (AgentBye, Assign, Checkpoint, Fence, Heartbeat, Hello, Launch, Ping, Report,
-                       Shutdown, Stop, ToWorkers, WorkerExited, WorkerInfo, WorkerReport,
-                       WorkerSuspect)
+from .events import fsync_write
+from .messages import (AgentBye, Announce, Assign, Challenge, Checkpoint, Fence, Heartbeat, Hello,
+                       Launch, Ping, Report, Shutdown, Stop, ToWorkers, WorkerExited, WorkerInfo,
+                       WorkerReport, WorkerSuspect)
 
 EXIT_CONTROLLER_LOST = 75      # EX_TEMPFAIL: the job should be requeued
 
@@ -39,12 +41,16 @@ class WorkerProc:
     suspect: bool = False
     progress: list = field(default_factory=list)
     done: bool = False          # exited and reported
+    refused_told: bool = False
 
 
 class Agent:
     def __init__(self, job_dir: Path, node: str, hb_interval: float, admit_timeout: float,
-                 controller_timeout: float):
+                 controller_timeout: float, secret: bytes):
         self.job_dir, self.node = Path(job_dir), node
+        self.secret = secret
+        self.keys = auth.Keys.derive(secret)
+        self.job = os.environ.get("TM_SLURM_JOB_ID") or self.job_dir.name
         self.hb_interval = hb_interval
         self.admit_timeout = admit_timeout
         self.controller_timeout = controller_timeout
@@ -67,11 +73,19 @@ class Agent:
             time.sleep(0.02)
         port = port_file.read_text()
         # announce out of band, so the controller calls Accept only when a Connect is coming
-        join = paths.join_dir(self.job_dir) / self.node
-        join.write_text(str(os.getpid()))
+        fsync_write(paths.join_dir(self.job_dir) / self.node,
+                    auth.Sealer(self.keys, self.job, self.node).seal(Announce(self.node, os.getpid())))
         ch = mpictl.connect(port)
+        ch.sealer = auth.Sealer(self.keys, self.job, self.node, peer="controller")
+        challenge = None
+        while challenge is None:
+            if time.monotonic() > deadline or ch.refused:
+                raise SystemExit(f"agent {self.node}: the controller at {port_file} did not prove "
+                                 f"it is this job's ({ch.refused_why or 'no challenge'})")
+            challenge = next((m for m in ch.poll() if isinstance(m, Challenge)), None)
+            time.sleep(0.001)
         ch.send(Hello(self.node, socket.gethostname(), os.getpid(), os.getpgid(0),
-                      os.environ.get("SLURM_STEP_ID"), os.environ.get("SLURM_JOB_ID")))
+                      os.environ.get("SLURM_STEP_ID"), os.environ.get("SLURM_JOB_ID"), challenge.nonce))
         return ch
 
     # ------------------------------------------------------------ workers
@@ -104,14 +118,17 @@ class Agent:
                         TM_SLURM_LOCAL=str(i), TM_SLURM_JOB_DIR=str(self.job_dir))
             out = open(logs / f"{self.node}.w{i}.log", "ab")
             proc = subprocess.Popen(list(launch.command), cwd=launch.cwd, env=wenv, pass_fds=[b.fileno()],
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    umask=paths.user_umask())
             b.close()
             out.close()
             a.setblocking(True)
-            w = WorkerProc(i, proc, Wire(a), rank=launch.ranks[i] if launch.ranks else None)
+            wire = Wire(a, auth.Sealer(self.keys, self.job, self.node, peer=f"{self.node}/w{i}"))
+            w = WorkerProc(i, proc, wire, rank=launch.ranks[i] if launch.ranks else None)
             self.workers[i] = w
             self.sel.register(a, selectors.EVENT_READ, w)
-            w.wire.send(Assign(launch, self.node, i))
+            wire.send_bootstrap(self.secret + self.job.encode())
+            wire.send(Assign(launch, self.node, i))
 
     def to_workers(self, payload) -> None:
         if not self.workers and self.launch is not None and self._names_us(payload):
@@ -154,6 +171,10 @@ class Agent:
         except EOFError:
             self.sel.unregister(w.wire.sock)
             w.wire.close()
+        if w.wire.refused and not w.refused_told:
+            w.refused_told = True      # once per peer: a flood is one line
+            print(f"agent {self.node}: auth_refused: {w.wire.refused} frame(s) from worker {w.local} "
+                  "failed their check and were dropped", file=sys.stderr, flush=True)
 
     def _reap(self, ch) -> None:
         for w in self.workers.values():
@@ -255,7 +276,7 @@ class Agent:
         print(f"agent {self.node}: controller silent for {self.controller_timeout}s; "
               "checkpointing and ending the job", file=sys.stderr, flush=True)
         d = paths.control_dir(self.job_dir) / "lost"
-        d.mkdir(parents=True, exist_ok=True)
+        paths.private_dir(d)
         (d / f"agent-{self.node}.alive").write_text(str(os.getpid()))
         self.to_workers(Checkpoint("controller lost"))
         end = time.monotonic() + self.shutdown_s * 3
@@ -294,7 +315,9 @@ def main(job_dir: str, node: str, hb_interval: float, admit_timeout: float,
          controller_timeout: float) -> int:
     if not mpictl.under_mpiexec():
         mpictl.reexec_under_mpiexec()
-    agent = Agent(Path(job_dir), node, hb_interval, admit_timeout, controller_timeout)
+    os.umask(0o077)            # what the agent writes is the job's alone; workers get the user's
+    agent = Agent(Path(job_dir), node, hb_interval, admit_timeout, controller_timeout,
+                  auth.take_secret_from_env())
     signal.signal(signal.SIGTERM, lambda *_: (agent.kill_workers(), os._exit(143)))
     try:
         rc = agent.run()

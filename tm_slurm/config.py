@@ -45,6 +45,7 @@ class Timeouts:
     rebuild_timeout_s: float = 15.0        # a group rebuilt after a failure: all members present
     recovery_timeout_s: float = 180.0      # an aborted rank waits this long for a recovery plan
     admit_timeout_s: float = 120.0         # every agent must have connected by then
+    auth_timeout_s: float = 5.0            # a new MPI link must authenticate within this
     controller_timeout_s: float = 10.0     # agents: controller silent this long -> it is gone
     shutdown_s: float = 10.0               # clean exit before processes are killed
 
@@ -60,6 +61,7 @@ class Timeouts:
             ("heartbeat_timeout_s", "rebuild_timeout_s"),
             ("rebuild_timeout_s", "recovery_timeout_s"),
             ("collective_timeout_s", "recovery_timeout_s"),
+            ("auth_timeout_s", "admit_timeout_s"),
         ]
         for name in (f.name for f in dataclasses.fields(self)):
             if getattr(self, name) <= 0:

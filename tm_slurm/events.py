@@ -21,7 +21,7 @@ class EventLog:
         self._clock = clock
         self._lock = threading.Lock()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a", buffering=1)
+        self._f = open(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a", buffering=1)
 
     def emit(self, kind: str, *, node: str | None = None, rank: int | None = None,
              step: int | None = None, gen: int | None = None, **details: Any) -> dict:
@@ -54,10 +54,11 @@ def read(path: str | Path) -> Iterator[dict]:
 
 
 def fsync_write(path: str | Path, data: bytes) -> None:
-    """Atomic replace: readers see the old or the new file, never a partial one."""
+    """Atomic replace: readers see the old or the new file, never a partial one. The file is the
+    writer's alone (0600): job files are nobody else's to read (docs/design.md §9)."""
     p = Path(path)
     tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

@@ -1,17 +1,52 @@
-"""Where things live in a job directory (shared by controller, agents, workers and the CLI)."""
+"""Where things live in a job directory (shared by controller, agents, workers and the CLI).
+
+The job directory is its owner's alone (0700; files 0600): it holds the MPI port name, the
+store's address, the checkpoints and the logs (docs/design.md §9)."""
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 
 _made: set[Path] = set()
+USER_UMASK_ENV = "TM_SLURM_USER_UMASK"   # the user's own umask, for their training processes
 
 
 def _d(p: Path) -> Path:
     if p not in _made:              # the controller asks every few milliseconds
-        p.mkdir(parents=True, exist_ok=True)
+        p.mkdir(parents=True, exist_ok=True, mode=0o700)
         _made.add(p)
     return p
+
+
+def private_dir(p: Path) -> Path:
+    """A directory the runtime makes in the job directory (any process of the job): 0700, whatever
+    the training processes' umask."""
+    p = Path(p)
+    for d in reversed([p, *p.parents]):
+        if not d.exists():
+            d.mkdir(mode=0o700, exist_ok=True)
+    return p
+
+
+def make_private(job: Path) -> Path:
+    """Create the job directory 0700 (and make an existing one of ours 0700), and make every file
+    this process creates from now on private (umask 077). The user's umask is kept for the
+    training processes (agent: Popen(umask=...))."""
+    os.environ.setdefault(USER_UMASK_ENV, oct(os.umask(0o077)))
+    job = Path(job)
+    job.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(job, 0o700)
+    return job
+
+
+def user_umask() -> int:
+    try:
+        return int(os.environ.get(USER_UMASK_ENV, "0o022"), 8)
+    except ValueError:
+        return 0o022
 
 
 def control_dir(job: Path) -> Path:
@@ -52,3 +87,19 @@ def result_file(job: Path) -> Path:
 
 def steps_file(job: Path) -> Path:
     return Path(job) / "steps.jsonl"
+
+
+def grant_slurm_user(job: Path, uid: int | None) -> tuple[int, bool] | None:
+    """A SlurmUser other than root and the owner (trigger programs, admin verbs run as it) may read
+    the job's files and drop requests: a POSIX ACL on the job directory, inherited by what is
+    created in it. Returns (uid, whether the ACL took) when there is such a user."""
+    if uid is None or uid in (0, os.getuid()):
+        return None
+    tool = shutil.which("setfacl")
+    if tool is None:
+        return uid, False
+    ok = True
+    for args in (["-R", "-m", f"u:{uid}:rX,d:u:{uid}:rX", str(job)],
+                 ["-m", f"u:{uid}:rwx", str(requests_dir(job))]):
+        ok = ok and subprocess.run([tool, *args], capture_output=True, timeout=10).returncode == 0
+    return uid, ok

@@ -1,7 +1,8 @@
 """Messages between controller, agents and workers, and the plans they carry.
 
-All frozen dataclasses, pickled on the wire (MPI between controller and agents, a socketpair
-between an agent and its workers). Every message that can act on state carries the generation it
+All frozen dataclasses of plain fields, encoded by control/codec.py (JSON; only these types are
+ever built from the wire) and sealed by control/auth.py (MPI between controller and agents, a
+socketpair between an agent and its workers). Every message that can act on state carries the generation it
 was made for; receivers drop messages of an older generation (fencing).
 No torch here: agents never import it.
 """
@@ -107,6 +108,12 @@ class Ping:
     t: float
 
 
+@dataclass(frozen=True)
+class Challenge:
+    """First frame on a newly accepted link: the agent's Hello must carry `nonce` back."""
+    nonce: str
+
+
 # ---------------------------------------------------------------- agent -> controller
 
 @dataclass(frozen=True)
@@ -117,6 +124,14 @@ class Hello:
     pgid: int
     step: str | None = None        # the agent's Slurm step id (fencing through slurmctld)
     job: str | None = None         # its Slurm job (another one: a companion standby job)
+    nonce: str = ""                # the link's Challenge, answered
+
+
+@dataclass(frozen=True)
+class Announce:
+    """An agent's sealed note in control/join/: a Connect is coming, so the controller Accepts."""
+    node: str
+    pid: int
 
 
 @dataclass(frozen=True)
@@ -235,3 +250,25 @@ class WriteCheckpoint:
 @dataclass(frozen=True)
 class Stop:
     reason: str
+
+
+@dataclass(frozen=True)
+class StateManifest:
+    """What precedes a rank's raw tensors on a transfer link (worker/state.py): their names, shapes
+    and dtypes in canonical order, and the optimizer's, scheduler's and user's plain values."""
+    step: int
+    tensors: tuple[tuple[str, tuple[int, ...], str], ...]
+    param_groups: tuple[dict, ...] = ()
+    opt_scalars: dict = field(default_factory=dict)     # param index -> {name: plain value}
+    scheduler: dict | None = None
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LostState:
+    """A surviving rank's sealed note in control/lost/ when the controller is gone (worker/lost.py)."""
+    rank: int
+    node: str
+    committed: int | None
+    pending: int | None
+    shard: str

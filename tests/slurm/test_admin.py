@@ -4,6 +4,7 @@ offline helper. Jobs are submitted the way users do (`sbatch sbatch/train.sbatch
 from __future__ import annotations
 
 import json
+import os
 import pwd
 import shutil
 import subprocess
@@ -159,12 +160,17 @@ def test_a_request_from_another_user_is_refused_and_logged(submit, minicluster):
     job.wait_warm()
     inbox = jobdir.requests_dir(job.dir)
     nobody = ["runuser", "-u", "nobody", "--"]
-    listing = subprocess.run([*nobody, "ls", str(inbox)], capture_output=True, text=True)
-    assert listing.returncode != 0 and "Permission denied" in listing.stderr   # 1733: write-only
+    listing = subprocess.run([*nobody, "ls", str(job.dir)], capture_output=True, text=True)
+    assert listing.returncode != 0 and "Permission denied" in listing.stderr   # the job dir is 0700
     body = json.dumps({"verb": "drain", "node": "node2", "reason": "not yours", "t": time.time()})
     p = subprocess.run([*nobody, "sh", "-c", 'printf %s "$1" > "$2"', "sh", body, str(inbox / "intruder.json")],
                        capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr
+    assert p.returncode != 0 and "Permission denied" in p.stderr, p.stderr
+    # a file of another owner that does land in the inbox (a site's too-wide ACL, say) is refused too
+    tmp = inbox / ".intruder.tmp"
+    tmp.write_text(body)
+    os.chown(tmp, pwd.getpwnam("nobody").pw_uid, -1)
+    os.replace(tmp, inbox / "intruder.json")
     refused = job.wait_event("request_refused", 10, file="intruder.json")
     assert refused["uid"] == pwd.getpwnam("nobody").pw_uid
     time.sleep(2)

@@ -1,8 +1,10 @@
 """The per-step commit vote and the agreed switch point, both through the controller's TCPStore.
 
-Every rank votes before its optimizer step. The last of `world` ok-votes writes the decision with
-compare_set, so exactly one decision per (generation, step) exists and every rank reads the same
-one; a rank that saw a failure, the controller, or a rank whose wait timed out writes "abort"
+Every rank votes before its optimizer step: its own sealed vote key, then the shared count. The
+last of `world` ok-votes writes the decision with compare_set, so exactly one decision per
+(generation, step) exists and every rank reads the same one. The count cannot be sealed (a
+stranger who reaches the store could add to it), so the voter that sees it reach `world` commits
+only once every rank's sealed vote is there (at once in a real last vote; docs/design.md §9); a rank that saw a failure, the controller, or a rank whose wait timed out writes "abort"
 the same way and wins only if nobody committed first. The committing voter also reads the
 controller's pending switch, so a planned swap happens at the same step boundary everywhere.
 Nobody applies a partial update: a step is applied only under a commit decision.
@@ -44,6 +46,10 @@ def nkey(gen: int, step: int) -> str:
     return f"vote/g{gen}/s{step}/n"
 
 
+def rkey(gen: int, step: int, rank: int) -> str:
+    return f"vote/g{gen}/s{step}/r{rank}"
+
+
 def dkey(gen: int, step: int) -> str:
     return f"vote/g{gen}/s{step}/d"
 
@@ -62,11 +68,20 @@ def abort(store, gen: int, step: int, why: str) -> Decision:
     return Decision.decode(raw)
 
 
-def vote(store, gen: int, step: int, world: int, ok: bool, timeout: float) -> Decision:
+def vote(store, gen: int, step: int, world: int, ok: bool, timeout: float, rank: int) -> Decision:
     if not ok:
         return abort(store, gen, step, "a rank saw a failure")
+    store.set(rkey(gen, step, rank), "ok")
     n = store.add(nkey(gen, step), 1)
     if n == world:
+        everyone = [rkey(gen, step, r) for r in range(world)]
+        try:
+            store.wait(everyone, timedelta(seconds=timeout))
+            sealed = all(v == b"ok" for v in store.multi_get(everyone))
+        except Exception:
+            sealed = False
+        if not sealed:
+            return abort(store, gen, step, "the count reached the world without every rank's sealed vote")
         pk = pending_key(gen)
         raw_p = store.get(pk) if store.check([pk]) else b""
         p = json.loads(raw_p) if raw_p else {}

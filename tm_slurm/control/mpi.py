@@ -12,7 +12,6 @@ which also works inside an srun step (`-launcher fork -rmk user`: no nested Slur
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
 import subprocess
 import sys
@@ -20,6 +19,9 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from ..events import fsync_write
+from .auth import MAX_FRAME, Sealer
 
 MPI_ENV = "TM_SLURM_MPIEXEC"      # set inside the wrapper so we do not wrap twice
 # MPI has no file descriptor to wait on, so the controller and agents poll: every millisecond
@@ -66,8 +68,8 @@ def mpiexec_argv(argv: list[str]) -> list[str]:
     return [find_mpiexec(), "-launcher", "fork", "-rmk", "user", "-n", "1", *argv]
 
 
-def mpi_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    e = dict(os.environ if env is None else env)
+def mpi_env(env: dict[str, str] | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    e = dict(os.environ if env is None else env, **(extra or {}))
     e[MPI_ENV] = "1"
     # the ch4:ucx netmod of the PyPI wheel crashed (SIGSEGV/SIGBUS inside Accept) when several
     # agents connected at once; ch4:ofi with the tcp provider did not, in every run here
@@ -88,12 +90,17 @@ def reexec_under_mpiexec() -> None:
 
 
 class Channel:
-    """One intercommunicator to one peer (rank 0 of the remote group), pickled messages."""
+    """One intercommunicator to one peer (rank 0 of the remote group), carrying sealed frames
+    (control/auth.py). A frame that fails the check is dropped unread and counted in `refused`
+    (with the last reason), for the owner to log once per peer."""
 
     TAG = 7
 
-    def __init__(self, comm):
+    def __init__(self, comm, sealer: Sealer | None = None):
         self.comm = comm
+        self.sealer = sealer
+        self.refused = 0
+        self.refused_why = ""
         self._pending: list = []
         self.dead = False
         self.broken = False          # a send failed: the peer is gone (or unreachable)
@@ -108,8 +115,7 @@ class Channel:
         if self.dead:
             return
         MPI = mpi()
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        buf = bytearray(data)
+        buf = bytearray(self.sealer.seal(msg))
         try:
             req = self.comm.Isend([buf, MPI.BYTE], dest=0, tag=self.TAG)
         except MPI.Exception:
@@ -134,9 +140,17 @@ class Channel:
             m = self.comm.improbe(source=0, tag=self.TAG, status=status)
             if m is None:
                 break
-            buf = bytearray(status.Get_count(MPI.BYTE))
-            m.Recv([buf, MPI.BYTE])
-            out.append(pickle.loads(bytes(buf)))
+            n = status.Get_count(MPI.BYTE)
+            buf = bytearray(min(n, MAX_FRAME + 1))
+            try:
+                m.Recv([buf, MPI.BYTE])     # an oversized frame is consumed truncated, then refused
+            except MPI.Exception:
+                pass
+            try:
+                out.append(self.sealer.open(bytes(buf)))
+            except ValueError as e:
+                self.refused += 1
+                self.refused_why = str(e)[:200]
         self._reap()
         return out
 
@@ -174,18 +188,22 @@ class Port:
         MPI = mpi()
         self.name = MPI.Open_port()
         self.path = path
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.name)
-        os.replace(tmp, path)
+        fsync_write(path, self.name.encode())
 
-    def accept(self, knock_after: float = 5.0) -> Channel:
-        """Accept one announced Connect. MPI_Comm_accept has no timeout: if the announced agent
-        died before connecting, a watchdog connects a throw-away process to our own port after
-        `knock_after` seconds so the controller is never stuck here (its link sends no Hello
-        and is dropped by the caller)."""
+    def accept(self, knock_after: float = 5.0) -> tuple[Channel, bool]:
+        """Accept one announced Connect; returns (link, whether the watchdog knocked).
+        MPI_Comm_accept has no timeout: if the announced agent died before connecting, a watchdog
+        connects a throw-away process to our own port after `knock_after` seconds so the
+        controller is never stuck here (its link sends nothing and is dropped by the caller)."""
         MPI = mpi()
         done = threading.Event()
-        watchdog = threading.Timer(knock_after, lambda: None if done.is_set() else _knock(self.name))
+        knocked = []
+
+        def knock():
+            if not done.is_set():
+                knocked.append(True)
+                _knock(self.name)
+        watchdog = threading.Timer(knock_after, knock)
         watchdog.daemon = True
         watchdog.start()
         try:
@@ -194,7 +212,7 @@ class Port:
             done.set()
             watchdog.cancel()
         comm.Set_errhandler(MPI.ERRORS_RETURN)
-        return Channel(comm)
+        return Channel(comm), bool(knocked)
 
     def close(self) -> None:
         try:
@@ -227,6 +245,5 @@ def connect(port_name: str, timeout: float = 60.0) -> Channel:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["knock"]:
-    ch = connect(sys.argv[2], timeout=10)
-    ch.close()
-    os._exit(0)
+    connect(sys.argv[2], timeout=10)
+    os._exit(0)             # no Disconnect: the controller drops this link without a word

@@ -18,6 +18,8 @@ import torch.distributed as dist
 from .. import config as cfgmod
 from .. import jobdir
 from ..comm import vote as votes
+from ..comm.sealed import SealedStore
+from ..control import auth
 from ..control import mpi as mpictl
 from ..events import EventLog
 from ..messages import (AgentBye, Fence, Heartbeat, Hello, Launch, Move, Ping, Shutdown, SwapPlan,
@@ -25,6 +27,7 @@ from ..messages import (AgentBye, Fence, Heartbeat, Hello, Launch, Move, Ping, S
 from ..planner import choose_joiner, initial_builds
 from ..roles import JobState, JobStatus, NodeTable, Role
 from ..topology import Topology
+from .admission import Admission
 from .progress import Progress
 from .intake import Intake
 from .ending import Ending
@@ -42,13 +45,14 @@ class Controller:
     def __init__(self, cfg: cfgmod.Config, *, job_id: str, job_dir: Path, command: list[str],
                  cwd: str, env: dict[str, str], nodes: list[str], standbys: int, launcher,
                  store_host: str = "127.0.0.1", watcher=None, resume_checkpoint: str | None = None,
-                 on_tick: Callable[["Controller"], None] | None = None):
+                 on_tick: Callable[["Controller"], None] | None = None, secret: bytes | None = None):
         cfg.check_nodes(len(nodes), standbys)
         if len(set(nodes)) != len(nodes):
             raise cfgmod.ConfigError(f"node names must be unique, got {nodes}")
         self.cfg, self.T = cfg, cfg.timeouts
         self.topo = Topology(cfg.layout)
-        self.job_id, self.job_dir = job_id, Path(job_dir)
+        self.job_id, self.job_dir = job_id, jobdir.make_private(job_dir)
+        self.keys = auth.Keys.derive(secret or auth.new_secret())
         self.command, self.cwd, self.env = list(command), cwd, dict(env)
         self.launcher, self.watcher = launcher, watcher
         self.store_host = store_host
@@ -116,6 +120,8 @@ class Controller:
         """A plan took effect: new generation, new slot holders, new group instances."""
         self.gen = plan.gen_to
         self.log.gen = plan.gen_to
+        for ch in self.channels.values():
+            ch.sealer.gen = plan.gen_to
         since = (self.committed_step() or 0) + 1
         for m in plan.moves:
             self.pool.holder_since[m.joiner] = since
@@ -126,12 +132,16 @@ class Controller:
 
     # ------------------------------------------------------------ setup
     def _open(self) -> None:
-        self.store = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=self.T.vote_timeout_s))
-        self.store_addr = (self.store_host, self.store.port)
+        server = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False,
+                               timeout=timedelta(seconds=self.T.vote_timeout_s))
+        self.store = SealedStore(server, self.keys)
+        self.store_addr = (self.store_host, server.port)
         jobdir.control_dir(self.job_dir)
-        jobdir.join_dir(self.job_dir)
         self.port = mpictl.Port(jobdir.port_file(self.job_dir))
+        self.admission = Admission(self.port, self.keys, self.job_id, jobdir.join_dir(self.job_dir),
+                                   self.T.auth_timeout_s, self.log.emit)
+        if (granted := jobdir.grant_slurm_user(self.job_dir, slurm_user_uid())) is not None:
+            self.log.emit("job_dir_access", slurm_user_uid=granted[0], acl=granted[1])
         if self.resume_checkpoint:
             self.start_step = int(Path(self.resume_checkpoint).name.removeprefix("step"))
         self.log.emit("job_start", nodes=sorted(self.nodes.nodes), pid=os.getpid(),
@@ -150,24 +160,15 @@ class Controller:
                       start_step=self.start_step, checkpoint=self.resume_checkpoint)
 
     def _admit(self) -> None:
-        """One Accept per announced agent. Concurrent Connects are matched in arrival order, not
-        in the order of the announcements, so the agent's identity is its Hello, never the file."""
-        for f in sorted(jobdir.join_dir(self.job_dir).iterdir()):
-            f.unlink(missing_ok=True)
-            ch = self.port.accept()
-            hello = None
-            end = time.monotonic() + 5.0
-            while hello is None and time.monotonic() < end:
-                hello = next((m for m in ch.poll() if isinstance(m, Hello)), None)
-                time.sleep(0.001)
-            node = hello.node if hello else f.name
-            if hello and node not in self.nodes.nodes and self.pool.joined(node):
+        """Agents that proved they belong to the job (controller/admission.py) get their Launch."""
+        for ch, hello in self.admission.poll():
+            node = hello.node
+            if node not in self.nodes.nodes and self.pool.joined(node):
                 self.nodes.add(node, Role.STANDBY)   # a companion job's node: a new standby
                 self.log.emit("standby_joined", node=node, host=hello.host)
             n = self.nodes.nodes.get(node)
-            if hello is None or n is None or n.role in (Role.FAILED, Role.RELEASED) or node in self.channels:
-                self.log.emit("agent_refused", node=node,
-                              why="no hello" if hello is None else "not an expected node of this job")
+            if n is None or n.role in (Role.FAILED, Role.RELEASED) or node in self.channels:
+                self.log.emit("agent_refused", node=node, why="not an expected node of this job")
                 ch.send(Shutdown("refused", graceful=False))
                 continue
             self.channels[node] = ch
@@ -436,13 +437,15 @@ class Controller:
                     self.log.emit("controller_stall", stall_s=round(now - last, 3))
                 last = now
                 if self.job.state == JobState.STARTING or now >= next_req:
-                    if any(jobdir.join_dir(self.job_dir).iterdir()):
+                    if self.admission.announced():
                         self._admit()
                 for node, ch in list(self.channels.items()):
                     for m in ch.poll():
                         if not isinstance(m, Heartbeat):
                             busy_until = now + mpictl.BUSY_FOR_S
                         self._dispatch(node, m)
+                    if ch.refused:
+                        self.admission.refused(node, ch.refused_why)
                 if self.job.state == JobState.STARTING and now - self.t_start > self.T.admit_timeout_s:
                     missing = sorted(set(self.nodes.nodes) - set(self.channels))
                     self.log.emit("start_timeout", missing_agents=missing)

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import config as cfgmod
+from .. import jobdir
+from ..control import auth
 from ..control import mpi as mpictl
 
 
@@ -90,7 +92,7 @@ def resume_checkpoint(cfg: cfgmod.Config, job_dir: Path, resume: str | None) -> 
 
 def run(cfg: cfgmod.Config, spec: JobSpec) -> int:
     if not mpictl.under_mpiexec():
-        spec.job_dir.mkdir(parents=True, exist_ok=True)
+        jobdir.make_private(spec.job_dir)
         os.environ["TM_SLURM_JOB_ID"] = spec.job_id
         os.environ["TM_SLURM_JOB_DIR"] = str(spec.job_dir)
         print(f"tm-slurm: job {spec.job_id} ({spec.mode}, {len(spec.nodes) - spec.standbys} active + "
@@ -100,21 +102,22 @@ def run(cfg: cfgmod.Config, spec: JobSpec) -> int:
     # one inductor cache for the job: a joiner that compiles finds what the others compiled
     env = {"PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
            "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(spec.job_dir / "inductor"))}
+    secret = auth.new_secret()
     if spec.mode == "local":
         from .local import LocalLauncher
-        launcher = LocalLauncher(spec.job_dir, cfg)
+        launcher = LocalLauncher(spec.job_dir, cfg, secret)
         cfg = cfgmod.from_dict(dict(cfgmod.to_dict(cfg), comm=dict(cfgmod.to_dict(cfg)["comm"],
                                                                    interface=cfg.comm.interface or "127.0.0.1")))
         watcher = None
     else:
         from ..slurm.launcher import SlurmLauncher
         from ..slurm.watcher import Watcher
-        launcher = SlurmLauncher(spec.job_dir, cfg, spec.job_id)
+        launcher = SlurmLauncher(spec.job_dir, cfg, spec.job_id, secret)
         watcher = Watcher(cfg, spec.job_id)
     ctl = Controller(cfg, job_id=spec.job_id, job_dir=spec.job_dir, command=list(spec.command),
                      cwd=os.getcwd(), env=env, nodes=list(spec.nodes), standbys=spec.standbys,
                      launcher=launcher, store_host=spec.store_host, watcher=watcher,
-                     resume_checkpoint=spec.resume)
+                     resume_checkpoint=spec.resume, secret=secret)
     rc = ctl.run()
     print(f"tm-slurm: job {spec.job_id} ended {ctl.job.state.value} (exit {rc}); events in "
           f"{spec.job_dir / 'events.jsonl'}", file=sys.stderr, flush=True)

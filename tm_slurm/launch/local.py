@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from .. import jobdir
+from ..control import auth
 from ..control import mpi as mpictl
 from ..events import fsync_write
 
@@ -32,8 +33,9 @@ class LocalLauncher:
     launcher around it."""
     kind = "local"
 
-    def __init__(self, job_dir: Path, cfg):
+    def __init__(self, job_dir: Path, cfg, secret: bytes):
         self.job_dir, self.cfg = Path(job_dir), cfg
+        self.agent_env = auth.agent_env(secret)
         self.procs: dict[str, subprocess.Popen] = {}
         self.pgids: dict[str, int] = {}
         self.ended: set[str] = set()
@@ -41,7 +43,7 @@ class LocalLauncher:
     def start(self, node: str) -> None:
         log = open(jobdir.log_dir(self.job_dir) / f"{node}.agent.log", "ab")
         argv = mpictl.mpiexec_argv(agent_argv(self.job_dir, node, self.cfg))
-        self.procs[node] = subprocess.Popen(argv, env=mpictl.mpi_env(), start_new_session=True,
+        self.procs[node] = subprocess.Popen(argv, env=mpictl.mpi_env(extra=self.agent_env), start_new_session=True,
                                             stdin=subprocess.DEVNULL, stdout=log,
                                             stderr=subprocess.STDOUT)
         log.close()

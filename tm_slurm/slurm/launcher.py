@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 from .. import jobdir
+from ..control import auth
 from ..control import mpi as mpictl
 from ..launch.local import agent_argv
 from . import backend_for, hostlist
@@ -22,8 +23,9 @@ from . import backend_for, hostlist
 class SlurmLauncher:
     kind = "slurm"
 
-    def __init__(self, job_dir: Path, cfg, job_id: str, backend=None):
+    def __init__(self, job_dir: Path, cfg, job_id: str, secret: bytes, backend=None):
         self.job_dir, self.cfg, self.job_id = Path(job_dir), cfg, job_id
+        self.agent_env = auth.agent_env(secret)   # srun's environment: never argv
         self.backend = backend or backend_for(cfg.slurm.backend)
         self.procs: dict[str, subprocess.Popen] = {}
         self.steps: dict[str, str] = {}
@@ -40,7 +42,7 @@ class SlurmLauncher:
 
     def start(self, node: str) -> None:
         log = open(jobdir.log_dir(self.job_dir) / f"{node}.agent.log", "ab")
-        self.procs[node] = subprocess.Popen(self.srun_argv(node), env=mpictl.mpi_env(),
+        self.procs[node] = subprocess.Popen(self.srun_argv(node), env=mpictl.mpi_env(extra=self.agent_env),
                                             start_new_session=True, stdin=subprocess.DEVNULL,
                                             stdout=log, stderr=subprocess.STDOUT)
         log.close()
@@ -83,7 +85,8 @@ class SlurmLauncher:
                             f"--job-name=tm-standby-{self.job_id}",
                             f"--output={jobdir.log_dir(self.job_dir)}/standby-%j.out",
                             *self.cfg.standby.replenish_sbatch_args, f"--wrap=exec {wrap}"],
-                           env=mpictl.mpi_env(), capture_output=True, text=True, timeout=30)
+                           env=mpictl.mpi_env(extra=self.agent_env), capture_output=True, text=True,
+                           timeout=30)
         if p.returncode != 0:
             raise RuntimeError(f"sbatch of a companion standby failed: {p.stderr.strip()}")
         self.companions.append(p.stdout.strip().split(";")[0])

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from .. import jobdir
 from ..events import fsync_write
 from ..topology import Topology
 from .state import TrainState
@@ -48,7 +49,7 @@ def save(root_: Path, step: int, rank: int, topo: Topology, state: TrainState,
     if not (topo.coord(rank).dp == 0 if writer is None else writer):
         return None
     d = step_dir(root_, step)
-    d.mkdir(parents=True, exist_ok=True)
+    jobdir.private_dir(d)
     payload = {"step": step, "rank": rank, "model": state.model.state_dict(),
                "optimizer": state.optimizer.state_dict() if state.optimizer else None,
                "scheduler": state.scheduler.state_dict() if state.scheduler else None,
@@ -110,7 +111,9 @@ def load(d: Path, rank: int, topo: Topology, state: TrainState) -> int:
     data = _verified(path)
     if data is None:
         raise RuntimeError(f"checkpoint shard {path} is missing or does not match its digest")
-    obj = torch.load(io.BytesIO(data), weights_only=False, map_location="cpu")
+    # weights_only: a checkpoint is data; torch's restricted unpickler builds tensors and plain
+    # containers only, so a planted file cannot run code as the job's user
+    obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     state.model.load_state_dict(obj["model"])
     if state.optimizer is not None and obj["optimizer"] is not None:
         state.optimizer.load_state_dict(obj["optimizer"])

@@ -9,14 +9,13 @@ writes the state at the start of K+1. A rank that cannot catch up writes nothing
 """
 from __future__ import annotations
 
-import json
 import queue
 import time
 from pathlib import Path
 
 from .. import jobdir
 from ..events import fsync_write
-from ..messages import Checkpoint
+from ..messages import Checkpoint, LostState
 from . import checkpoint as ckpt
 
 EXIT_CONTROLLER_LOST = 75
@@ -24,8 +23,7 @@ EXIT_CONTROLLER_LOST = 75
 
 def lost_dir(job_dir: Path) -> Path:
     d = jobdir.control_dir(job_dir) / "lost"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+    return jobdir.private_dir(d)
 
 
 def controller_lost(w, pending: int | None, error) -> None:
@@ -44,25 +42,36 @@ def controller_lost(w, pending: int | None, error) -> None:
             w.report("store_lost", pending, error=str(error)[:300])
             exit_clean(3)
     d = lost_dir(w.job_dir)
-    me = {"rank": w.rank, "node": w.node, "committed": w.committed, "pending": pending,
-          "shard": ckpt.shard_name(w.topo, w.rank)}
-    fsync_write(d / f"rank{w.rank}.json", json.dumps(me).encode())
+    me = LostState(w.rank, w.node, w.committed, pending, ckpt.shard_name(w.topo, w.rank))
+    fsync_write(d / f"rank{w.rank}.json", w.transfer_sealer().seal(me))
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline and len(list(d.glob("rank*.json"))) < w.topo.world:
         time.sleep(0.05)
     time.sleep(0.5)                      # the last survivors' files, if they are slower
-    peers = [json.loads(p.read_text()) for p in d.glob("rank*.json")]
-    k = max((p["committed"] for p in peers if p["committed"] is not None), default=None)
+    peers = _peers(w, d)
+    k = max((p.committed for p in peers if p.committed is not None), default=None)
     if k is None:
         exit_clean(EXIT_CONTROLLER_LOST)
     if w.committed == k - 1 and pending == k:
         w.apply(k)                       # K committed (someone saw it): catch up
     if w.committed != k:
         exit_clean(EXIT_CONTROLLER_LOST)
-    able = sorted(p["rank"] for p in peers if p["shard"] == me["shard"] and
-                  (p["committed"] == k or (p["committed"] == k - 1 and p["pending"] == k)))
+    able = sorted(p.rank for p in peers if p.shard == me.shard and
+                  (p.committed == k or (p.committed == k - 1 and p.pending == k)))
     if able and able[0] == w.rank:
         ckpt.save(ckpt.root(w.cfg, w.job_dir), k + 1, w.rank, w.topo, w.state, writer=True)
     fsync_write(d / f"rank{w.rank}.done", b"")
     exit_clean(EXIT_CONTROLLER_LOST)
 
+
+def _peers(w, d: Path) -> list[LostState]:
+    """The survivors' notes; one that is unreadable or not sealed by this job counts as absent."""
+    out = []
+    for p in d.glob("rank*.json"):
+        try:
+            m = w.transfer_sealer().open(p.read_bytes()[:65536])
+        except (OSError, ValueError):
+            continue
+        if isinstance(m, LostState):
+            out.append(m)
+    return out

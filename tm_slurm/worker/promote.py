@@ -16,7 +16,7 @@ from ..comm import vote as votes
 from ..messages import CancelPlan, Checkpoint, Prepare, Recover, Resume, Stop, WriteCheckpoint
 from . import checkpoint as ckpt
 from . import sandbox
-from .runtime import BuildFn, StepFn, Worker, exit_clean, is_link, store_client
+from .runtime import BuildFn, StepFn, Worker, exit_clean, is_link
 from .state import recv_state, send_state
 
 EXIT_FENCED = 71
@@ -92,7 +92,7 @@ def _join(w: Worker, msg: Prepare | Recover, build_fn: BuildFn) -> int:
     t_model = time.perf_counter() - t0
     built: dict = {}
     try:
-        w.build(store_client(w.launch.store, w.T.phase1_timeout_s if isinstance(msg, Prepare)
+        w.build(w.store_client(w.T.phase1_timeout_s if isinstance(msg, Prepare)
                              else w.T.rebuild_timeout_s), w.plan_builds(plan, joiner=True), True, built, plan.id)
     except Exception as e:
         w.reaper.drop(built.values())
@@ -115,7 +115,7 @@ def _join(w: Worker, msg: Prepare | Recover, build_fn: BuildFn) -> int:
         start = ckpt.load(Path(plan.checkpoint), w.rank, w.topo, w.state)
     else:
         link = next(g for g in built.values() if is_link(g))
-        start, info = recv_state(link.pg, w.state, peer=0)
+        start, info = recv_state(link.pg, w.state, w.transfer_sealer(), peer=0)
         w.reaper.drop([link])
     w.install(built)
     w.gen = plan.gen_to
@@ -162,7 +162,7 @@ def recover(w: Worker, step: int, d: votes.Decision) -> int:
                 os._exit(EXIT_FENCED)      # our slot was given away: this process is fenced
             t0 = time.perf_counter()
             try:
-                w.build(store_client(w.launch.store, w.T.rebuild_timeout_s),
+                w.build(w.store_client(w.T.rebuild_timeout_s),
                         w.plan_builds(plan, joiner=False), out=built, plan_id=plan.id)
             except Exception as e:
                 w.reaper.drop(built.values())
@@ -187,7 +187,7 @@ def recover(w: Worker, step: int, d: votes.Decision) -> int:
     info: dict = {}
     for g in built.values():
         if is_link(g):
-            info = send_state(g.pg, w.state, plan.resume_step, peer=1)
+            info = send_state(g.pg, w.state, plan.resume_step, w.transfer_sealer(), peer=1)
             w.reaper.drop([g])
     resume = plan.resume_step
     if plan.checkpoint:

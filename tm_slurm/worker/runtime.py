@@ -20,11 +20,15 @@ import torch
 import torch.distributed as dist
 
 from .. import config as cfgmod
+from .. import jobdir
 from ..comm import vote as votes
 from ..comm.groups import Group, Reaper, build_group, pick_backend
 from ..comm.handles import GroupTable
+from ..comm.sealed import SealedStore
+from ..control.auth import Keys, Sealer
 from ..control.wire import Wire
 from ..data import key
+from ..events import fsync_write
 from ..messages import Assign, GroupBuild, Launch, Prepare, Report, SwapPlan
 from ..topology import Topology
 from . import checkpoint as ckpt
@@ -39,9 +43,9 @@ StepFn = Callable[[Context, TrainState, int], object]
 BuildFn = Callable[[Context], TrainState]
 
 
-def store_client(addr: tuple[str, int], timeout: float):
-    return dist.TCPStore(addr[0], addr[1], is_master=False, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout))
+def store_client(addr: tuple[str, int], timeout: float, keys: Keys) -> SealedStore:
+    return SealedStore(dist.TCPStore(addr[0], addr[1], is_master=False, wait_for_workers=False,
+                                     timeout=timedelta(seconds=timeout)), keys)
 
 
 def is_link(g) -> bool:
@@ -49,7 +53,8 @@ def is_link(g) -> bool:
 
 
 class Worker:
-    def __init__(self, wire: Wire):
+    def __init__(self, wire: Wire, keys: Keys):
+        self.keys = keys
         first = wire.recv()
         if not isinstance(first, Assign):
             raise RuntimeError(f"expected Assign from the agent, got {type(first).__name__}")
@@ -65,7 +70,7 @@ class Worker:
         self.device = self._device()
         self.backend = pick_backend(self.cfg.comm.backend, self.device)
         self.iface = self.cfg.comm.interface or socket.gethostname()
-        self.store = store_client(self.launch.store, self.T.vote_timeout_s)
+        self.store = self.store_client(self.T.vote_timeout_s)
         self.table = GroupTable(self._on_comm_error, self.T.collective_timeout_s)
         self.reaper = Reaper()
         self.prepared: dict[int, dict[str, Group]] = {}
@@ -84,6 +89,14 @@ class Worker:
             torch.cuda.set_device(dev)
             return dev
         return torch.device("cpu")
+
+    def store_client(self, timeout: float) -> SealedStore:
+        """Another client of the job's store (a build that may be abandoned gets its own)."""
+        return store_client(self.launch.store, timeout, self.keys)
+
+    def transfer_sealer(self) -> Sealer:
+        """Seals or opens the manifest on a transfer link (one per transfer)."""
+        return Sealer(self.keys, self.launch.job, f"{self.node}/w{self.local}")
 
     def report(self, kind: str, step: int | None = None, **data) -> None:
         self.inbox.send(Report(kind, self.gen, self.rank, step, data))
@@ -145,7 +158,7 @@ class Worker:
         t0 = time.perf_counter()
         built: dict[str, Group] = {}
         try:
-            self.build(store_client(self.launch.store, self.T.phase1_timeout_s), mine, out=built, plan_id=plan.id)
+            self.build(self.store_client(self.T.phase1_timeout_s), mine, out=built, plan_id=plan.id)
         except Exception as e:
             self.reaper.drop(built.values())
             self.report("prepare_failed", self.step, plan=plan.id, error=f"{type(e).__name__}: {e}"[:300])
@@ -173,7 +186,7 @@ class Worker:
         if self.launch.checkpoint:
             start = ckpt.load(Path(self.launch.checkpoint), self.rank, self.topo, self.state)
         t0 = time.perf_counter()
-        self.install(self.build(store_client(self.launch.store, self.T.admit_timeout_s),
+        self.install(self.build(self.store_client(self.T.admit_timeout_s),
                                 list(self.launch.groups)))
         self.report("started", start, build_s=time.perf_counter() - t0, state_bytes=nbytes(self.state),
                     steps=self.total_steps)
@@ -226,7 +239,7 @@ class Worker:
         can hang a blocking wait for minutes, and the main thread must still hear its agent
         say so (and write the survivors' checkpoint)."""
         fut = self._voter.submit(votes.vote, self.store, self.gen, step, self.cfg.layout.world,
-                                 not self.table.broken, self.T.vote_timeout_s)
+                                 not self.table.broken, self.T.vote_timeout_s, self.rank)
         error = None
         while True:
             try:
@@ -271,7 +284,7 @@ class Worker:
         self.gen = plan.gen_to
         if self.rank in plan.ranks:
             link = next(g for g in built.values() if is_link(g))
-            info = send_state(link.pg, self.state, next_step, peer=1)
+            info = send_state(link.pg, self.state, next_step, self.transfer_sealer(), peer=1)
             self.report("left", next_step, plan=plan.id, **info)
             exit_clean()
         before = self.table.identities()
@@ -290,8 +303,7 @@ class Worker:
     def _finish(self, step: int) -> None:
         dg = digest(self.state)
         out = self.job_dir / "final"
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"rank{self.rank}.sha256").write_text(dg + "\n")
+        fsync_write(jobdir.private_dir(out) / f"rank{self.rank}.sha256", (dg + "\n").encode())
         self.report("finished", step, digest=dg)
         exit_clean()
 
@@ -315,8 +327,12 @@ def run(build: BuildFn, step: StepFn, steps: int) -> None:
                          f"{sys.argv[0]}` (or inside an sbatch job: see sbatch/train.sbatch); "
                          "under torchrun it trains without the runtime")
     wire = Wire(socket.socket(fileno=int(fd)))
+    boot = wire.recv_bootstrap()        # the job secret and id: from the agent, never the environment
+    keys = Keys.derive(boot[:32])
+    node, local = os.environ.get("TM_SLURM_NODE", ""), os.environ.get("TM_SLURM_LOCAL", "0")
+    wire.sealer = Sealer(keys, boot[32:].decode(), f"{node}/w{local}", peer=node)
     try:
-        w = Worker(wire)
+        w = Worker(wire, keys)
         w.total_steps = steps
         w.train(step, steps, w.start(build, step))
     except SystemExit:

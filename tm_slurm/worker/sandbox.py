@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from .. import jobdir
 from ..comm.handles import GroupTable
 from ..events import fsync_write
 from ..topology import Coord, Topology
@@ -43,7 +44,7 @@ class Recorder:
 
     def save(self, job_dir: Path, pp_rank: int) -> None:
         p = standins_path(job_dir)
-        p.parent.mkdir(parents=True, exist_ok=True)
+        jobdir.private_dir(p.parent)
         buf = io.BytesIO()
         torch.save(self.seen, buf)
         fsync_write(p.with_name(f"stage{pp_rank}.{STANDINS}"), buf.getvalue())

@@ -1,20 +1,22 @@
 """A rank's training state: what is registered, how it is digested, and how it moves.
 
 State moves as raw tensors, one send per tensor straight into the receiver's tensors (3-4 GB/s on
-loopback; pickling is 10-20x slower). Only a small manifest (names, shapes, dtypes, optimizer
-hyper-parameters, scheduler state) is pickled. A receiver that already holds optimizer state
-(a warmed standby) receives in place; otherwise it allocates from the manifest first.
+loopback; pickling is 10-20x slower). Only a small `StateManifest` (names, shapes, dtypes,
+optimizer hyper-parameters, scheduler state) goes ahead of them, as a sealed control-plane frame
+(never a pickle). A receiver that already holds optimizer state (a warmed standby) receives in
+place; otherwise it allocates from the manifest first.
 """
 from __future__ import annotations
 
 import hashlib
-import io
-import pickle
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from ..control.auth import Sealer
+from ..messages import StateManifest
 
 
 @dataclass
@@ -23,7 +25,7 @@ class TrainState:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer | None = None
     scheduler: Any = None
-    extra: dict = field(default_factory=dict)   # user values to carry along (small, pickled)
+    extra: dict = field(default_factory=dict)   # user values to carry along (small, plain values)
 
 
 def _opt_params(opt: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
@@ -43,33 +45,31 @@ def tensors(state: TrainState) -> list[tuple[str, torch.Tensor]]:
     return [(n, t.data if isinstance(t, torch.nn.Parameter) else t) for n, t in out]
 
 
-def manifest(state: TrainState, step: int) -> dict:
+def manifest(state: TrainState, step: int) -> StateManifest:
     opt = state.optimizer
-    m: dict[str, Any] = {"step": step, "tensors": [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors(state)]}
+    groups, scalars = (), {}
     if opt is not None:
-        m["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        m["opt_scalars"] = {i: {k: v for k, v in opt.state.get(p, {}).items()
-                                if not isinstance(v, torch.Tensor)}
-                            for i, p in enumerate(_opt_params(opt))}
-    if state.scheduler is not None:
-        m["scheduler"] = state.scheduler.state_dict()
-    m["extra"] = state.extra
-    return m
+        groups = tuple({k: v for k, v in g.items() if k != "params"} for g in opt.param_groups)
+        scalars = {i: {k: v for k, v in opt.state.get(p, {}).items() if not isinstance(v, torch.Tensor)}
+                   for i, p in enumerate(_opt_params(opt))}
+    return StateManifest(step, tuple((n, tuple(t.shape), str(t.dtype)) for n, t in tensors(state)),
+                         groups, scalars, state.scheduler.state_dict() if state.scheduler is not None else None,
+                         dict(state.extra))
 
 
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
 
 
-def apply_manifest(state: TrainState, m: dict) -> list[torch.Tensor]:
+def apply_manifest(state: TrainState, m: StateManifest) -> list[torch.Tensor]:
     """Make `state` structurally equal to the sender's and return the tensors to receive into,
     in canonical order. Existing tensors of the right shape are reused (no allocation)."""
     opt = state.optimizer
     if opt is not None:
         params = _opt_params(opt)
-        for g, saved in zip(opt.param_groups, m["param_groups"]):
+        for g, saved in zip(opt.param_groups, m.param_groups):
             g.update(saved)
-        by_name = {n: (shape, dt) for n, shape, dt in m["tensors"]}
+        by_name = {n: (shape, dt) for n, shape, dt in m.tensors}
         for i, p in enumerate(params):
             st = opt.state.setdefault(p, {})
             keys = {n.split(".", 2)[2] for n in by_name if n.startswith(f"opt.{i}.")}
@@ -79,13 +79,13 @@ def apply_manifest(state: TrainState, m: dict) -> list[torch.Tensor]:
                 if not (isinstance(cur, torch.Tensor) and tuple(cur.shape) == shape
                         and str(cur.dtype) == dt):
                     st[k] = torch.empty(shape, dtype=_dtype(dt), device=p.device)
-            st.update(m["opt_scalars"].get(i, {}))
-    if state.scheduler is not None and "scheduler" in m:
-        state.scheduler.load_state_dict(m["scheduler"])
+            st.update(m.opt_scalars.get(i, {}))
+    if state.scheduler is not None and m.scheduler is not None:
+        state.scheduler.load_state_dict(m.scheduler)
     state.extra.clear()
-    state.extra.update(m["extra"])
+    state.extra.update(m.extra)
     mine = tensors(state)
-    theirs = [(n, shape, dt) for n, shape, dt in m["tensors"]]
+    theirs = [(n, tuple(shape), dt) for n, shape, dt in m.tensors]
     if [(n, tuple(t.shape), str(t.dtype)) for n, t in mine] != theirs:
         diff = sorted(set((n, tuple(t.shape), str(t.dtype)) for n, t in mine) ^ set(theirs))[:5]
         raise RuntimeError(f"state of the receiving rank does not match the sender's: {diff}")
@@ -100,8 +100,8 @@ def digest(state: TrainState) -> str:
         h.update(f"{n}:{tuple(t.shape)}:{t.dtype};".encode())
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     m = manifest(state, 0)
-    m.pop("tensors")
-    h.update(pickle.dumps(repr(sorted(m.items(), key=lambda kv: kv[0]))))
+    h.update(repr((m.param_groups, sorted(m.opt_scalars.items()), m.scheduler,
+                   sorted(m.extra.items()))).encode())
     return h.hexdigest()
 
 
@@ -130,12 +130,9 @@ def _recv_bytes(pg, peer: int, device: torch.device) -> bytes:
     return buf.cpu().numpy().tobytes()
 
 
-def send_state(pg, state: TrainState, step: int, peer: int = 1) -> dict:
+def send_state(pg, state: TrainState, step: int, sealer: Sealer, peer: int = 1) -> dict:
     t0 = time.perf_counter()
-    m = manifest(state, step)
-    raw = io.BytesIO()
-    pickle.dump(m, raw, protocol=pickle.HIGHEST_PROTOCOL)
-    _send_bytes(pg, raw.getvalue(), peer, _device(state))
+    _send_bytes(pg, sealer.seal(manifest(state, step)), peer, _device(state))
     ts = [t.detach().contiguous() for _, t in tensors(state)]
     works = [pg.send([t], peer, i + 1) for i, t in enumerate(ts)]
     for w in works:
@@ -145,10 +142,13 @@ def send_state(pg, state: TrainState, step: int, peer: int = 1) -> dict:
     return {"bytes": b, "transfer_s": dt, "tensors": len(ts)}
 
 
-def recv_state(pg, state: TrainState, peer: int = 0) -> tuple[int, dict]:
-    """Receive into `state`; returns (the sender's step, timing)."""
+def recv_state(pg, state: TrainState, sealer: Sealer, peer: int = 0) -> tuple[int, dict]:
+    """Receive into `state`; returns (the sender's step, timing). A manifest that fails its check
+    raises AuthError before anything is received into `state`."""
     t0 = time.perf_counter()
-    m = pickle.loads(_recv_bytes(pg, peer, _device(state)))
+    m = sealer.open(_recv_bytes(pg, peer, _device(state)))
+    if not isinstance(m, StateManifest):
+        raise TypeError(f"expected a StateManifest on the transfer link, got {type(m).__name__}")
     ts = apply_manifest(state, m)
     bufs = [t if t.is_contiguous() else torch.empty_like(t) for t in ts]
     works = [pg.recv([b], peer, i + 1) for i, b in enumerate(bufs)]
@@ -160,4 +160,4 @@ def recv_state(pg, state: TrainState, peer: int = 0) -> tuple[int, dict]:
                 t.copy_(b)
     dt = time.perf_counter() - t0
     b = sum(t.numel() * t.element_size() for t in ts)
-    return m["step"], {"bytes": b, "transfer_s": dt, "tensors": len(ts)}
+    return m.step, {"bytes": b, "transfer_s": dt, "tensors": len(ts)}

@@ -1,0 +1,164 @@
+"""Another user of the cluster attacks a running job with everything a stranger can reach
+(issue: control plane v2). Runs as root: the stranger is a real unprivileged user made here."""
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tm_slurm import jobdir
+from tm_slurm.control import mpi as mpictl
+
+from ..jobs import SIDE, run_job
+
+pytestmark = pytest.mark.procs
+STEPS = 150
+STRANGER = "tm-stranger"
+HERE = Path(__file__).parent
+
+
+@pytest.fixture
+def stranger():
+    if os.getuid() != 0:
+        pytest.fail("the security test makes a real unprivileged user: run it as root (./dev test does)")
+    made = subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                           STRANGER], capture_output=True, text=True)
+    assert made.returncode in (0, 9), made.stderr        # 9: exists (an earlier run's)
+    pw = pwd.getpwnam(STRANGER)
+    opened = _let_stranger_run_python(pw.pw_uid)
+    yield pw
+    for p, mode in opened:
+        os.chmod(p, mode)
+    subprocess.run(["pkill", "-KILL", "-u", STRANGER], capture_output=True)
+    subprocess.run(["userdel", STRANGER], capture_output=True)
+
+
+def _let_stranger_run_python(uid: int) -> list[tuple[Path, int]]:
+    """The stranger runs this checkout's Python (torch, mpi4py): a checkout under a private
+    directory gets o+x on the way there for the test's duration (restored after)."""
+    opened = []
+    for p in reversed([Path(sys.executable).resolve(), *Path(sys.executable).resolve().parents]):
+        mode = p.stat().st_mode & 0o7777
+        if p.is_dir() and not mode & 0o001:
+            os.chmod(p, mode | 0o001)
+            opened.append((p, mode))
+    return opened
+
+
+def _as_stranger(pw, argv, **kw) -> subprocess.Popen:
+    env = mpictl.mpi_env({"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/tmp",
+                          "PYTHONPATH": str(HERE.parents[1])})
+    return subprocess.Popen(argv, user=pw.pw_uid, group=pw.pw_gid, extra_groups=[], env=env, cwd="/tmp",
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, **kw)
+
+
+def _stranger(pw, *args, timeout=60) -> dict:
+    p = _as_stranger(pw, [sys.executable, str(HERE / "stranger.py"), *args])
+    out, _ = p.communicate(timeout=timeout)
+    assert p.returncode == 0, out
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _environ(pid: str) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+
+
+def _job_processes(job: Path) -> dict[str, tuple[str, dict]]:
+    out = {}
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            env = _environ(p.name)
+            if str(job) in cmd or env.get("TM_SLURM_JOB_DIR") == str(job):
+                out[p.name] = (cmd, env)
+    return out
+
+
+def test_a_stranger_can_neither_read_nor_steer_nor_run_code_in_a_job(stranger, reference):
+    base = Path(tempfile.mkdtemp(prefix="tm-security-"))
+    os.chmod(base, 0o755)                      # only the job directory's own mode keeps others out
+    job = base / "job"
+    marker = Path(f"/tmp/tm-pwned-{uuid.uuid4().hex}")
+    seen: dict = {}
+
+    def attack():
+        port_file = jobdir.port_file(job)
+        end = time.monotonic() + 120
+        while not (port_file.exists() and jobdir.events_file(job).exists()) and time.monotonic() < end:
+            time.sleep(0.05)
+        port = port_file.read_text()            # leaked, as far as this test is concerned
+        host, store_port = next(e["store"] for e in map(json.loads, jobdir.events_file(job).open())
+                                if e["kind"] == "job_start")
+        seen["mpi"] = _as_stranger(stranger, mpictl.mpiexec_argv(
+            [sys.executable, str(HERE / "stranger.py"), "mpi", port, str(marker)]))
+        seen["read"] = _stranger(stranger, "read", str(job))
+        seen["store"] = _stranger(stranger, "store", host, str(store_port))
+        while time.monotonic() < end and "secret" not in seen:
+            for pid, (cmd, env) in _job_processes(job).items():
+                if "SECRET" in "".join(env) and " agent " in cmd:
+                    seen["secret"] = next(v for k, v in env.items() if k == "TM_SLURM_SECRET")
+            time.sleep(0.2)
+        while time.monotonic() < end and not any("gpt_example" in c for c, _ in _job_processes(job).values()):
+            time.sleep(0.2)
+        seen["procs"] = _job_processes(job)
+
+    t = threading.Thread(target=attack, name=SIDE, daemon=True)
+    t.start()
+    try:
+        ran = run_job(base, "4+1", STEPS, [(12, "drain", "node2")],
+                      sets=["standby.replenish=true", "standby.replenish_target=1"])
+        t.join(30)
+        print(f"\n[security] seen: { {k: v for k, v in seen.items() if k not in ('procs', 'secret')} }")
+        mpi = seen["mpi"]
+        try:
+            mpi_out, _ = mpi.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            mpi.kill()
+            mpi_out, _ = mpi.communicate()
+        assert ran.rc == 0 and ran.result["digests"] == reference(STEPS), ran.job_dir
+        assert not marker.exists(), "the stranger's pickle ran as the job's user"
+        refused = ran.kinds("auth_refused")
+        assert refused, f"the stranger's link was never refused; its output: {mpi_out}"
+        assert '"connected": true' in mpi_out, mpi_out
+        assert all(v.startswith("refused: PermissionError") for v in seen["read"].values()), seen["read"]
+        assert seen["store"]["written"] > 0
+        # the secret: in the agents' launch environment only; never argv, files, or the workers
+        secret = seen["secret"]
+        assert len(secret) == 64
+        for pid, (cmd, env) in seen["procs"].items():
+            assert secret not in cmd, cmd
+            if "gpt_example" in cmd:
+                assert "TM_SLURM_SECRET" not in env, f"a worker inherited the secret: {cmd}"
+        for f in job.rglob("*"):
+            if f.is_file() and f.stat().st_size < 50 << 20:
+                assert secret.encode() not in f.read_bytes(), f
+        modes = {f: f.stat().st_mode & 0o777 for f in (job, *job.rglob("*"))}
+        assert modes[job] == 0o700
+        # everything the runtime writes is private (torch's own compile cache aside: it keeps
+        # the training processes' umask, behind the job directory's 0700)
+        ours = {f: m for f, m in modes.items() if "inductor" not in f.relative_to(job).parts[:1]
+                and f != jobdir.requests_dir(job)}     # 1733, for root and SlurmUser's requests
+        assert all(m & 0o077 == 0 for m in ours.values()), {str(f): oct(m) for f, m in ours.items() if m & 0o077}
+        print(f"\n[security] {len(refused)} auth_refused: {[r['why'] for r in refused][:3]}; stranger's reads: "
+              f"{sorted(set(seen['read'].values()))}; store keys written {seen['store']['written']}")
+    finally:
+        marker.unlink(missing_ok=True)
+        shutil.rmtree(base, ignore_errors=True)

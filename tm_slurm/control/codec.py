@@ -1,0 +1,116 @@
+"""The control plane's only encoding: JSON of plain fields, building nothing but the dataclasses of
+`messages.py` (security model: docs/design.md §9).
+
+Nothing that crossed a process boundary is unpickled. Values are None, bool, int, float, str,
+lists, tuples (tagged, so a decoded message equals the one sent) and dicts (tagged when a key is
+not a plain string); a message is {"#m": name, "f": {field: value}}. Decoding refuses an unknown
+message name, an unknown or missing field and any tag it does not know.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from .. import messages
+
+_TUPLE, _DICT, _MSG = "#t", "#d", "#m"
+
+
+class DecodeError(ValueError):
+    pass
+
+
+def _registry() -> dict[str, type]:
+    return {name: obj for name, obj in vars(messages).items()
+            if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == messages.__name__}
+
+
+_TYPES = _registry()
+
+
+def _enc(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, tuple):
+        return {_TUPLE: [_enc(x) for x in v]}
+    if isinstance(v, list):
+        return [_enc(x) for x in v]
+    if isinstance(v, dict):
+        if all(isinstance(k, str) and not k.startswith("#") for k in v):
+            return {k: _enc(x) for k, x in v.items()}
+        return {_DICT: [[_enc(k), _enc(x)] for k, x in v.items()]}
+    name = type(v).__name__
+    if _TYPES.get(name) is type(v):
+        return {_MSG: name, "f": {f.name: _enc(getattr(v, f.name)) for f in dataclasses.fields(v)}}
+    raise TypeError(f"{name} cannot cross the control plane (plain values and messages.py types only)")
+
+
+def _dec(v: Any) -> Any:
+    if isinstance(v, list):
+        return [_dec(x) for x in v]
+    if not isinstance(v, dict):
+        return v
+    tags = [k for k in v if k.startswith("#")]
+    if not tags:
+        return {k: _dec(x) for k, x in v.items()}
+    if tags == [_TUPLE] and len(v) == 1 and isinstance(v[_TUPLE], list):
+        return tuple(_dec(x) for x in v[_TUPLE])
+    if tags == [_DICT] and len(v) == 1 and isinstance(v[_DICT], list):
+        if not all(isinstance(p, list) and len(p) == 2 for p in v[_DICT]):
+            raise DecodeError("malformed mapping")
+        return {_hashable(_dec(k)): _dec(x) for k, x in v[_DICT]}
+    if tags == [_MSG] and set(v) == {_MSG, "f"} and isinstance(v["f"], dict):
+        return _message(v[_MSG], v["f"])
+    raise DecodeError(f"unknown tags {tags}")
+
+
+def _hashable(k: Any) -> Any:
+    if isinstance(k, (list, dict)):
+        raise DecodeError("a mapping key must be a plain value")
+    return k
+
+
+def _message(name: Any, fields: dict) -> Any:
+    cls = _TYPES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise DecodeError(f"unknown message type {name!r}")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    extra = set(fields) - set(known)
+    if extra:
+        raise DecodeError(f"{name}: unknown fields {sorted(extra)}")
+    missing = [n for n, f in known.items() if n not in fields
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise DecodeError(f"{name}: missing fields {missing}")
+    try:
+        return cls(**{k: _dec(x) for k, x in fields.items()})
+    except TypeError as e:
+        raise DecodeError(f"{name}: {e}") from None
+
+
+def encode(v: Any) -> Any:
+    """`v` as JSON-able plain values."""
+    return _enc(v)
+
+
+def decode(plain: Any) -> Any:
+    """Inverse of `encode`; anything else raises DecodeError (never another exception)."""
+    try:
+        return _dec(plain)
+    except DecodeError:
+        raise
+    except (ValueError, TypeError, RecursionError) as e:
+        raise DecodeError(f"not a control-plane value: {type(e).__name__}") from None
+
+
+def dumps(v: Any) -> bytes:
+    return json.dumps(_enc(v), separators=(",", ":")).encode()
+
+
+def loads(data: bytes) -> Any:
+    try:
+        plain = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise DecodeError(f"not JSON: {type(e).__name__}") from None
+    return decode(plain)
