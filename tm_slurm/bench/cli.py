@@ -29,12 +29,20 @@ def add_parser(sub) -> None:
     b.add_argument("--out", help="default: ./tm_slurm_jobs/bench-<time>")
     b.add_argument("--no-plot", action="store_true")
     b.add_argument("--scaling", action="store_true", help="also: swap cost vs world size")
+    b.add_argument("--frames", action="store_true", help="only: what a control-plane frame costs "
+                   "(seal + open, HMAC) against pickle, in microseconds")
     b.add_argument("--analyze", metavar="DIR", help="recompute the table from the runs in an earlier "
                    "bench directory instead of running them (the overhead runs still run)")
     b.set_defaults(fn=main)
 
 
 def main(args) -> int:
+    from .frames import frame_costs
+    from .frames import table as frames_table
+    if args.frames:
+        costs = frame_costs()
+        print(json.dumps(costs, indent=1) if args.json else frames_table(costs))
+        return 0
     scenarios = args.scenarios.split(",") if not args.quick else ["planned", "unplanned"]
     strategies = args.strategies.split(",")
     bad = [s for s in scenarios if s not in runs.SCENARIOS] + [s for s in strategies if s not in runs.STRATEGIES]
@@ -72,6 +80,7 @@ def main(args) -> int:
         plain.append(runs.plain_steady(root, steps, extra)[0])
         tm.append(runs.runtime_steady(root, steps, extra)[0])
     out = report(samples, scenarios, strategies, statistics.median(tm), statistics.median(plain))
+    out["frames"] = frame_costs()
     out["config"] = {"reps": reps, "analyzed": args.analyze, "steps": steps, "at_step": at, "hang_timeout_s": hang, "node": runs.NODE,
                      "checkpoint_every": runs.CKPT_EVERY, "model": runs.MODEL, "out": str(root),
                      "wall_s": round(time.monotonic() - t0, 1)}
@@ -127,6 +136,8 @@ def table(out: dict) -> str:
             if "joiner_first_step_s" in r:
                 lines.append(f"{sc}: {st} joiner's first step {r['joiner_first_step_s']:.3f}s "
                              f"(steady {r['steady_step_s']:.3f}s)")
+    if "frames" in out:
+        lines.append(frames_table(out["frames"]))
     s = out["steady_step_s"]
     lines.append(f"steady step: tm_slurm {s['tm_slurm'] * 1e3:.1f} ms vs plain {s['plain'] * 1e3:.1f} ms: "
                  f"overhead {out['steady_overhead'] * 100:+.2f}%")

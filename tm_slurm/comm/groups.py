@@ -1,4 +1,4 @@
-"""Build one communication group directly from a store prefix (DESIGN §3).
+"""Build one communication group directly from a store prefix (docs/design.md §3).
 
 No world collective and no default process group: any member set, including a brand-new process,
 builds a group by calling `build_group` with the same prefix. Gloo on CPU; NCCL on GPUs with eager

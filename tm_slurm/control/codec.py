@@ -27,6 +27,9 @@ def _registry() -> dict[str, type]:
 
 
 _TYPES = _registry()
+_FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _TYPES.values()}
+_REQUIRED = {cls: frozenset(f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
+                            and f.default_factory is dataclasses.MISSING) for cls in _TYPES.values()}
 
 
 def _enc(v: Any) -> Any:
@@ -40,10 +43,10 @@ def _enc(v: Any) -> Any:
         if all(isinstance(k, str) and not k.startswith("#") for k in v):
             return {k: _enc(x) for k, x in v.items()}
         return {_DICT: [[_enc(k), _enc(x)] for k, x in v.items()]}
-    name = type(v).__name__
-    if _TYPES.get(name) is type(v):
-        return {_MSG: name, "f": {f.name: _enc(getattr(v, f.name)) for f in dataclasses.fields(v)}}
-    raise TypeError(f"{name} cannot cross the control plane (plain values and messages.py types only)")
+    names = _FIELDS.get(type(v))
+    if names is not None:
+        return {_MSG: type(v).__name__, "f": {n: _enc(getattr(v, n)) for n in names}}
+    raise TypeError(f"{type(v).__name__} cannot cross the control plane (plain values and messages.py types only)")
 
 
 def _dec(v: Any) -> Any:
@@ -75,14 +78,12 @@ def _message(name: Any, fields: dict) -> Any:
     cls = _TYPES.get(name) if isinstance(name, str) else None
     if cls is None:
         raise DecodeError(f"unknown message type {name!r}")
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    extra = set(fields) - set(known)
+    extra = set(fields).difference(_FIELDS[cls])
     if extra:
         raise DecodeError(f"{name}: unknown fields {sorted(extra)}")
-    missing = [n for n, f in known.items() if n not in fields
-               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = _REQUIRED[cls].difference(fields)
     if missing:
-        raise DecodeError(f"{name}: missing fields {missing}")
+        raise DecodeError(f"{name}: missing fields {sorted(missing)}")
     try:
         return cls(**{k: _dec(x) for k, x in fields.items()})
     except TypeError as e:

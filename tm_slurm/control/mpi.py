@@ -1,4 +1,4 @@
-"""The MPI control plane (DESIGN §2): the controller opens a port, each agent connects and keeps
+"""The MPI control plane (docs/design.md §2): the controller opens a port, each agent connects and keeps
 its own intercommunicator, so a dead agent breaks only its own link.
 
 Everything is non-blocking (isend + improbe polling): blocking receives burn a core, and MPI never

@@ -1,4 +1,4 @@
-"""Recovery from unplanned failures (DESIGN §4, unplanned), from detection to measured completion.
+"""Recovery from unplanned failures (docs/design.md §4, unplanned), from detection to measured completion.
 
 collecting: the in-flight step is aborted everywhere; wait until every surviving rank has said so
             (and which groups it saw break).

@@ -1,4 +1,4 @@
-"""A planned migration in flight, from plan to measured completion (DESIGN §4, planned).
+"""A planned migration in flight, from plan to measured completion (docs/design.md §4, planned).
 
 preparing: Prepare sent; stayers, leaver and joiner build in the background while training runs.
 switching: everyone needed is READY; the switch is pending in the store, so the next committed

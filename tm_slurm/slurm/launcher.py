@@ -1,5 +1,5 @@
 """Agents under Slurm: each one its own step, `srun -N1 -n1 -w NODE`, so a node failure kills
-only that node's step (DESIGN §6). Inside the step the agent is started by `mpiexec -launcher
+only that node's step (docs/design.md §6). Inside the step the agent is started by `mpiexec -launcher
 fork -rmk user -n 1` (a process that Connects must be an MPI world of its own; see control/mpi).
 
 Slurm facts this relies on (22.05, measured on the mini cluster): the srun of a step on a failed

@@ -1,4 +1,4 @@
-"""Watching Slurm for the job's nodes (DESIGN §6): one batched node query and one reservation
+"""Watching Slurm for the job's nodes (docs/design.md §6): one batched node query and one reservation
 query per interval, on a thread of its own (Slurm's CLIs take tens of milliseconds; the
 controller's loop must not wait for them), classified into planned and unplanned node events."""
 from __future__ import annotations

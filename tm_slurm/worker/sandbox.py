@@ -1,4 +1,4 @@
-"""Communication-free sandboxed warm-up of a standby (DESIGN §5).
+"""Communication-free sandboxed warm-up of a standby (docs/design.md §5).
 
 The standby runs the user's own build and step functions for each distinct pipeline role (first,
 last, middle; or the one role without PP) with a `SandboxTable` in place of real groups: every
