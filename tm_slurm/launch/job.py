@@ -12,12 +12,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .. import config as cfgmod
 from .. import jobdir
 from ..control import auth
 from ..control import mpi as mpictl
 from ..roles import JobState
+
+if TYPE_CHECKING:
+    from ..slurm.address import Served
 
 
 class LaunchError(RuntimeError):
@@ -34,8 +38,7 @@ class JobSpec:
     command: tuple[str, ...]
     store_host: str
     resume: str | None = None        # checkpoint step directory to start from
-    served_how: str = "local"        # how store_host was chosen (slurm/address.py)
-    served_detail: str = ""
+    served: "Served | None" = None   # under Slurm: how store_host was chosen
     kind: str = "local"              # local, or the allocation's kind: batch | salloc | step
 
 
@@ -81,8 +84,7 @@ def resolve(cfg: cfgmod.Config, args) -> JobSpec:
     spec = JobSpec(mode, job_id, job_dir, tuple(nodes), standbys, tuple(command), host,
                    resume_checkpoint(cfg, job_dir, resume))
     if mode == "slurm":
-        spec = dataclasses.replace(spec, served_how=served.how, served_detail=served.detail,
-                                   kind=alloc.kind)
+        spec = dataclasses.replace(spec, served=served, kind=alloc.kind)
     return spec
 
 
@@ -118,8 +120,9 @@ def run(cfg: cfgmod.Config, spec: JobSpec) -> int:
         os.environ["TM_SLURM_JOB_ID"] = spec.job_id
         os.environ["TM_SLURM_JOB_DIR"] = str(spec.job_dir)
         print(f"tm-slurm: job {spec.job_id} ({spec.mode}, {len(spec.nodes) - spec.standbys} active + "
-              f"{spec.standbys} standby), job directory {spec.job_dir}, controller serves from "
-              f"{spec.store_host} ({spec.served_how})", file=sys.stderr, flush=True)
+              f"{spec.standbys} standby), job directory {spec.job_dir}", file=sys.stderr, flush=True)
+        if spec.served is not None and not reachable(cfg, spec):
+            return 2
         return supervise()
     from ..controller.core import Controller
     # one inductor cache for the job: a joiner that compiles finds what the others compiled
@@ -145,8 +148,6 @@ def run(cfg: cfgmod.Config, spec: JobSpec) -> int:
                      cwd=os.getcwd(), env=env, nodes=list(spec.nodes), standbys=spec.standbys,
                      launcher=launcher, store_host=spec.store_host, watcher=watcher,
                      resume_checkpoint=spec.resume, secret=secret)
-    ctl.log.emit("controller_address", address=spec.store_host, how=spec.served_how,
-                 detail=spec.served_detail, allocation=spec.kind, host=socket.gethostname())
     rc = ctl.run()
     print(f"tm-slurm: job {spec.job_id} ended {ctl.job.state.value} (exit {rc}); events in "
           f"{spec.job_dir / 'events.jsonl'}", file=sys.stderr, flush=True)
@@ -155,6 +156,30 @@ def run(cfg: cfgmod.Config, spec: JobSpec) -> int:
               f"...` (the same options)", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(rc)
+
+
+def reachable(cfg: cfgmod.Config, spec: JobSpec) -> bool:
+    """Can the allocation's nodes reach the address the controller will serve from? Asked before
+    anything starts, so a wrong address costs seconds and leaves the allocation as it was."""
+    from ..events import EventLog
+    from ..slurm.address import probe
+    s, t = spec.served, cfg.timeouts
+    t0 = time.monotonic()
+    why = probe(s.address, s.node, t.reach_timeout_s, t.admit_timeout_s, cfg.slurm.srun_args)
+    log = EventLog(jobdir.events_file(spec.job_dir), spec.job_id)
+    detail = dict(address=s.address, how=s.how, detail=s.detail, allocation=spec.kind,
+                  host=socket.gethostname(), probed_from=s.node, probe_s=round(time.monotonic() - t0, 3))
+    if why:
+        log.emit("controller_unreachable", why=why, **detail)
+        print(f"tm-slurm run: the nodes cannot reach this host at {s.address} ({s.how}: {s.detail}): "
+              f"{why}; pass --controller-address ADDR, an address of this host they can reach. "
+              "Nothing was started.", file=sys.stderr, flush=True)
+    else:
+        log.emit("controller_address", **detail)
+        print(f"tm-slurm: the controller serves from {s.address} ({s.how}: {s.detail})",
+              file=sys.stderr, flush=True)
+    log.close()
+    return why is None
 
 
 def supervise() -> int:

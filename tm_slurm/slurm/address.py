@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -32,6 +33,7 @@ class Served:
     address: str
     how: str             # --controller-address | comm.interface | route | local
     detail: str
+    node: str            # the node whose route decided (the first node otherwise): probe from it
 
 
 def parse_route(text: str) -> Route | None:
@@ -51,10 +53,11 @@ def choose(override: str, interface: str, routes: Iterable[tuple[str, Route | No
     """The address to serve from: an explicit --controller-address, else comm.interface, else the
     source address of the route to the first node that is not this host (this host's own
     address when every node is local). `routes` is consumed lazily, in allocation order."""
-    if override:
-        return Served(override, "--controller-address", "given on the command line")
-    if interface:
-        return Served(interface, "comm.interface", "from the configuration")
+    routes = iter(routes)
+    if override or interface:
+        first = next(routes, ("", None))[0]
+        return Served(override, "--controller-address", "given on the command line", first) if override \
+            else Served(interface, "comm.interface", "from the configuration", first)
     first_local = None
     tried = []
     for node, route in routes:
@@ -62,11 +65,11 @@ def choose(override: str, interface: str, routes: Iterable[tuple[str, Route | No
             tried.append(node)
             continue
         if not route.local:
-            return Served(route.src, "route", f"route to {node} ({route.dst}) via {route.dev}")
+            return Served(route.src, "route", f"route to {node} ({route.dst}) via {route.dev}", node)
         first_local = first_local or (node, route)
     if first_local is not None:
         node, route = first_local
-        return Served(route.src, "local", f"this host is {node} ({route.dst})")
+        return Served(route.src, "local", f"this host is {node} ({route.dst})", node)
     raise AddressError(f"no route to any allocated node ({', '.join(tried) or 'none'}): pass "
                        "--controller-address ADDR (an address of this host the nodes can reach)")
 
@@ -107,11 +110,39 @@ def check_local(address: str) -> None:
                            "an address of the host `tm-slurm run` runs on)") from None
 
 
+# runs on the node, with the job's own python: a TCP connection like the agents' and workers'
+_PROBE = """import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close()
+except OSError as e:
+    print(e)
+    sys.exit(3)
+"""
+
+
+def probe(address: str, node: str, timeout: float, srun_timeout: float, srun_args=(),
+          run=subprocess.run) -> str | None:
+    """Why `node` cannot reach this host at `address`, or None: it did, or the probe's step could
+    not start (then the agents' own steps will not either, and they say so)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.create_server((address, 0), family=family) as srv:
+        port = srv.getsockname()[1]
+        argv = ["srun", "-N1", "-n1", "-w", node, "--overlap", "--quiet", "--job-name=tm-reach",
+                *srun_args, sys.executable, "-c", _PROBE, address, str(port), str(timeout)]
+        try:
+            p = run(argv, capture_output=True, text=True, timeout=srun_timeout, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return f"{node} did not connect to {address}:{port} within {srun_timeout:.0f} s"
+    if p.returncode == 3:
+        return f"{node} cannot connect to {address}:{port}: {p.stdout.strip()}"
+    return None
+
+
 def serve_address(nodes: Iterable[str], override: str = "", interface: str = "") -> Served:
     served = choose(override, interface, routes(nodes))
     check_local(served.address)
     return served
 
 
-__all__ = ["AddressError", "Route", "Served", "check_local", "choose", "parse_route", "routes",
-           "serve_address"]
+__all__ = ["AddressError", "Route", "Served", "check_local", "choose", "parse_route", "probe",
+           "routes", "serve_address"]
