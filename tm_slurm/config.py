@@ -101,7 +101,8 @@ class Checkpoint:
 class Comm:
     backend: str = "auto"                   # auto | gloo | nccl
     gloo_threads: int = 2
-    interface: str = ""                     # gloo: bind to this host/IP instead of the node's name
+    interface: str = ""                     # gloo: bind to this host/IP instead of the node's name;
+                                            # under Slurm also the controller's address
 
 
 @dataclass(frozen=True)
