@@ -4,7 +4,7 @@ sbatch/interactive.md, as a user types them, with the tests' smaller model and C
 One run from the submit host (the controller serves from there) takes a drain, a node crash and
 `tm-slurm status` from another shell, then Ctrl-C; a second allocation runs the controller on
 node1 inside the allocation and resumes from the first run's checkpoint; the result is held to an
-undisturbed run's, bit for bit.
+undisturbed run's, bit for bit. A third one names an address the nodes cannot reach.
 """
 from __future__ import annotations
 
@@ -74,6 +74,17 @@ class Salloc:
             self.proc.wait()
 
 
+def none_left(job_dir: Path, timeout: float = 30) -> float:
+    """No process of the job remains, on any node or here. The controller's fence of a crashed
+    node (`scancel --signal=KILL` of its step, started and not waited for) is a Slurm client that
+    can outlive the run until slurmctld gives up on the node: it may take this long."""
+    t0 = time.monotonic()
+    while left := leftovers(job_dir):
+        assert time.monotonic() - t0 < timeout, left
+        time.sleep(0.5)
+    return time.monotonic() - t0
+
+
 def _pids() -> list[int]:
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
 
@@ -96,7 +107,7 @@ def _env(pid: int) -> dict[bytes, bytes]:
 def test_salloc_drain_crash_status_ctrl_c_then_resume_on_node1(healthy_cluster, reference, tmp_path):
     mc = healthy_cluster
     ref = reference(STEPS)
-    first, resume = doc_commands()
+    first, resume, unreachable = doc_commands()
     runs: list[Salloc] = []
     try:
         # 1. the controller on the submit host (the head's network namespace: no node name resolves)
@@ -127,10 +138,10 @@ def test_salloc_drain_crash_status_ctrl_c_then_resume_on_node1(healthy_cluster, 
         saved = job.seen("checkpoint_saved", reason="interrupted (SIGINT)")
         assert saved, "no checkpoint at the step boundary after Ctrl-C"
         assert not job.seen("requeue_failed"), "an interactive run is not requeued"
-        assert not leftovers(job.dir), leftovers(job.dir)
+        gone_after = none_left(job.dir)
         print(f"\n[salloc] serves from {where['address']} ({where['detail']}); crash detected "
               f"{job.seen('failure_detected', node='node4')['ts'] - t:.2f}s; Ctrl-C -> exit 75 in {took:.2f}s, "
-              f"checkpoint of step {saved['step']}")
+              f"checkpoint of step {saved['step']}; last process gone {gone_after:.1f}s after the exit")
         mc.heal()
 
         # 2. a new allocation, the controller on node1 (a step of its own), resumes bit-identical
@@ -144,7 +155,17 @@ def test_salloc_drain_crash_status_ctrl_c_then_resume_on_node1(healthy_cluster, 
         assert start["start_step"] == saved["step"] and str(job.dir) in start["resume_from"]
         assert b.job.seen("job_end")["state"] == "FINISHED"
         assert b.job.result()["digests"] == ref
-        assert not leftovers(b.job.dir), leftovers(b.job.dir)
+        none_left(b.job.dir)
+
+        # 3. an address the nodes cannot reach: said at once, nothing started
+        c = Salloc(mc, as_tested(unreachable), tmp_path / "c.out")
+        runs.append(c)
+        assert c.wait(60) == 2, c.out.read_text()[-2000:]
+        why = c.job.seen("controller_unreachable")
+        assert why and why["address"] == "127.0.0.1" and why["probe_s"] < 10, why
+        assert "--controller-address" in c.out.read_text()
+        assert not c.job.seen("job_start") and not (c.job.dir / "logs").exists()
+        print(f"[unreachable] said so after {why['probe_s']}s: {why['why']}")
     finally:
         for r in runs:
             r.close()
