@@ -54,6 +54,8 @@ def test_timeouts_order_is_checked():
     assert "heartbeat_timeout_s (60.0) must be smaller than timeouts.collective_timeout_s" in str(e.value)
     with pytest.raises(C.ConfigError, match="must be > 0"):
         C.load(None, {"timeouts.fence_grace_s": 0})
+    with pytest.raises(C.ConfigError, match=r"reach_timeout_s \(300.0\) must be smaller than timeouts.admit"):
+        C.load(None, {"timeouts.reach_timeout_s": 300})
 
 
 def test_node_counts():

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tm_slurm.slurm import allocation, backend, classify as cl, cli_backend as cb, hostlist
+from tm_slurm.slurm import address, allocation, backend, classify as cl, cli_backend as cb, hostlist
 from tm_slurm.slurm import pyslurm_backend as pb
 from tm_slurm.slurm.backend import JobInfo, NodeState, Reservation, SlurmError
 
@@ -617,7 +617,7 @@ def test_allocation_sbatch(monkeypatch):
     env = env_file("env_sbatch.txt")
     a = allocation.from_env(env)
     assert a == allocation.Allocation(job_id=env["SLURM_JOB_ID"], nodes=("node1", "node2"),
-                                      batch_host="node1", user="root", submit_dir=env["SLURM_SUBMIT_DIR"],
+                                      user="root", submit_dir=env["SLURM_SUBMIT_DIR"],
                                       restart_count=0, time_limit_s=None, kind="batch", submit_host="vm")
     assert a.num_nodes == 2
     a = allocation.from_env(dict(env, SLURM_RESTART_COUNT="2", SLURM_JOB_START_TIME="100",
@@ -629,14 +629,13 @@ def test_allocation_salloc(monkeypatch):
     env = env_file("env_salloc.txt")
     assert "SLURMD_NODENAME" not in env and "SLURM_JOB_USER" not in env
     a = allocation.from_env(dict(env, USER="alice"))
-    assert (a.kind, a.nodes, a.batch_host, a.user, a.submit_host) == \
-        ("salloc", ("node1", "node2"), "node1", "alice", "vm")
+    assert (a.kind, a.nodes, a.user, a.submit_host) == ("salloc", ("node1", "node2"), "alice", "vm")
 
 
 def test_allocation_step_legacy_and_none():
     a = allocation.from_env({"SLURM_JOBID": "9", "SLURM_NODELIST": "gpu[01-02]", "SLURM_STEP_ID": "0",
                              "SLURMD_NODENAME": "gpu02", "SLURM_JOB_USER": "u", "SLURM_SUBMIT_DIR": "/w"})
-    assert (a.job_id, a.nodes, a.kind, a.batch_host) == ("9", ("gpu01", "gpu02"), "step", "gpu01")
+    assert (a.job_id, a.nodes, a.kind) == ("9", ("gpu01", "gpu02"), "step")
     assert allocation.from_env({}) is None
     assert allocation.from_env({"SLURM_NODELIST": "n1"}) is None
     with pytest.raises(allocation.AllocationError, match="empty"):
@@ -729,3 +728,70 @@ def test_event_debouncer():
     assert d.filter([nr], 13.0) == []
     down = cl.NodeEvent("n1", "unplanned", "down", "", None)
     assert d.filter([down], 13.1) == [down]
+
+
+# ============================================================================ controller address
+
+def route(name: str) -> address.Route:
+    return address.parse_route(golden(name))
+
+
+def test_parse_route_golden():
+    assert route("ip_route_submit_to_node1.txt") == address.Route("10.198.0.11", "tmslurm-br", "10.198.0.1", False)
+    assert route("ip_route_node1_to_node1.txt") == address.Route("10.198.0.11", "lo", "10.198.0.11", True)
+    assert route("ip_route_node1_to_node2.txt") == address.Route("10.198.0.12", "eth0", "10.198.0.11", False)
+    assert address.parse_route("") is None
+    assert address.parse_route("unreachable 10.0.0.9") is None
+
+
+def test_address_under_salloc_batch_and_a_step():
+    # salloc on the submit host (and sbatch's batch host alike): the route to the first node
+    s = address.choose("", "", [("node1", route("ip_route_submit_to_node1.txt"))])
+    assert (s.address, s.how, s.node) == ("10.198.0.1", "route", "node1")
+    # on node1 (`srun -w node1 tm-slurm run`, `srun --pty bash`): node1 is this host, node2 decides
+    s = address.choose("", "", [("node1", route("ip_route_node1_to_node1.txt")),
+                                ("node2", route("ip_route_node1_to_node2.txt"))])
+    assert (s.address, s.how, s.node) == ("10.198.0.11", "route", "node2")
+    assert "via eth0" in s.detail
+    # a one-node allocation: only this host
+    s = address.choose("", "", [("node1", route("ip_route_node1_to_node1.txt"))])
+    assert (s.address, s.how, s.node) == ("10.198.0.11", "local", "node1")
+    # a node without a route is skipped
+    s = address.choose("", "", [("node9", None), ("node1", route("ip_route_submit_to_node1.txt"))])
+    assert s.node == "node1"
+
+
+def test_address_overrides_and_no_route():
+    looked = []
+
+    def lazy():
+        for n in ("node1", "node2"):
+            looked.append(n)
+            yield n, route("ip_route_submit_to_node1.txt")
+    s = address.choose("192.0.2.7", "10.0.0.1", lazy())
+    assert (s.address, s.how, s.node, looked) == ("192.0.2.7", "--controller-address", "node1", ["node1"])
+    s = address.choose("", "10.0.0.1", [("node1", None)])
+    assert (s.address, s.how) == ("10.0.0.1", "comm.interface")
+    with pytest.raises(address.AddressError, match="--controller-address"):
+        address.choose("", "", [("node1", None), ("node2", None)])
+
+
+def test_address_routes_use_slurms_node_addr():
+    calls = []
+
+    def run(argv, **kw):
+        calls.append(argv)
+        out = golden("scontrol_node_idle_drain_fail_maint.txt").splitlines()[0] if argv[0] == "scontrol" \
+            else golden("ip_route_submit_to_node1.txt")
+        return subprocess.CompletedProcess(argv, 0, out, "")
+    # the submit host need not resolve node names: Slurm's NodeAddr
+    assert address.node_address("node1.invalid", run=run) == "10.199.0.11"
+    assert calls[-1] == ["scontrol", "show", "node", "-o", "node1.invalid"]
+    (node, r), = list(address.routes(["node1"], run=run, address_of=lambda n: "10.198.0.11"))
+    assert (node, r.src) == ("node1", "10.198.0.1") and calls[-1][:4] == ["ip", "-o", "route", "get"]
+
+
+def test_address_must_be_this_hosts():
+    address.check_local("127.0.0.1")
+    with pytest.raises(address.AddressError, match="cannot serve from 192.0.2.7"):
+        address.check_local("192.0.2.7")

@@ -133,8 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--job-dir", help="default: ./tm_slurm_jobs/<job id>")
     r.add_argument("--job-id", help="default: the Slurm job id, or local-<time>")
     r.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT_DIR",
-                   help="start from a checkpoint: a step directory, or the newest valid one in the "
-                        "job's checkpoint directory (default under Slurm when SLURM_RESTART_COUNT > 0)")
+                   help="start from a checkpoint: a step directory, the newest valid one of an earlier "
+                        "job (its directory or id: a new allocation continues an interrupted run), "
+                        "or, with no value, of this job (default under Slurm when "
+                        "SLURM_RESTART_COUNT > 0)")
+    r.add_argument("--controller-address", metavar="ADDR",
+                   help="under Slurm: the address of this host the nodes reach the controller at "
+                        "(default: the source address of the route to the first other node)")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
     r.set_defaults(fn=cmd_run)
 

@@ -46,6 +46,7 @@ class Timeouts:
     recovery_timeout_s: float = 180.0      # an aborted rank waits this long for a recovery plan
     admit_timeout_s: float = 120.0         # every agent must have connected by then
     auth_timeout_s: float = 5.0            # a new MPI link must authenticate within this
+    reach_timeout_s: float = 5.0           # Slurm: the first node must reach the controller's address
     controller_timeout_s: float = 10.0     # agents: controller silent this long -> it is gone
     shutdown_s: float = 10.0               # clean exit before processes are killed
 
@@ -62,6 +63,7 @@ class Timeouts:
             ("rebuild_timeout_s", "recovery_timeout_s"),
             ("collective_timeout_s", "recovery_timeout_s"),
             ("auth_timeout_s", "admit_timeout_s"),
+            ("reach_timeout_s", "admit_timeout_s"),
         ]
         for name in (f.name for f in dataclasses.fields(self)):
             if getattr(self, name) <= 0:
@@ -99,7 +101,8 @@ class Checkpoint:
 class Comm:
     backend: str = "auto"                   # auto | gloo | nccl
     gloo_threads: int = 2
-    interface: str = ""                     # gloo: bind to this host/IP instead of the node's name
+    interface: str = ""                     # gloo: bind to this host/IP instead of the node's name;
+                                            # under Slurm also the controller's address
 
 
 @dataclass(frozen=True)

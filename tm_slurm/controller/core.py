@@ -421,8 +421,12 @@ class Controller:
     def run(self) -> int:
         import signal
         self._open()
-        # sbatch --signal=B:USR1@T: checkpoint at the next step boundary and end requeue-able
-        signal.signal(signal.SIGUSR1, lambda *_: setattr(self, "time_limit_signal", True))
+        # sbatch --signal=B:USR1@T, SIGTERM (a time limit without --signal: KillWait before
+        # SIGKILL) and the first SIGINT (Ctrl-C): checkpoint at the next step boundary and end
+        # resumable. A second SIGINT stops at once; the last valid checkpoint stays.
+        signals: list[int] = []
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda s, _: signals.append(s))
         if self.watcher is not None:
             self.watcher.start()
         try:
@@ -457,10 +461,24 @@ class Controller:
                     next_req = now + 0.05
                 if self.watcher is not None:
                     self.intake.poll_watcher()
-                if self.time_limit_signal:
-                    self.time_limit_signal = False
-                    self.intake.handle(Request("checkpoint", None, "time limit (SIGUSR1)", time.time(),
-                                               os.getuid(), "", {"exit": True}))
+                while signals:
+                    sig = signal.Signals(signals.pop(0))
+                    why = {"SIGINT": "interrupted (SIGINT)"}.get(sig.name, f"time limit ({sig.name})")
+                    if not self.time_limit_signal:
+                        self.time_limit_signal = True
+                        self.log.emit("signal", signal=sig.name, action="checkpoint_exit")
+                        self.intake.handle(Request("checkpoint", None, why, time.time(), os.getuid(),
+                                                   "", {"exit": True}))
+                    elif sig == signal.SIGINT:
+                        self.log.emit("signal", signal=sig.name, action="stop_now")
+                        self.intake.wanted_checkpoint = None
+                        if self.ending is None:
+                            self.stop("interrupted twice (SIGINT): stopped at once", JobState.REQUEUED,
+                                      code=self.requeue_code)
+                        else:
+                            self.ending.wait_workers = False
+                    else:
+                        self.log.emit("signal", signal=sig.name, action="already_ending")
                 if self.swap is not None:
                     self.swap.tick(now)
                 if self.recovery is not None:

@@ -1,18 +1,27 @@
 """From `tm-slurm run` arguments to a running controller: which nodes, which launcher, which job
-directory; all checked before anything starts."""
+directory, which address it serves from; all checked before anything starts."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
+import signal
+import socket
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .. import config as cfgmod
 from .. import jobdir
 from ..control import auth
 from ..control import mpi as mpictl
+from ..roles import JobState
+
+if TYPE_CHECKING:
+    from ..slurm.address import Served
 
 
 class LaunchError(RuntimeError):
@@ -29,6 +38,8 @@ class JobSpec:
     command: tuple[str, ...]
     store_host: str
     resume: str | None = None        # checkpoint step directory to start from
+    served: "Served | None" = None   # under Slurm: how store_host was chosen
+    kind: str = "local"              # local, or the allocation's kind: batch | salloc | step
 
 
 def resolve(cfg: cfgmod.Config, args) -> JobSpec:
@@ -57,15 +68,24 @@ def resolve(cfg: cfgmod.Config, args) -> JobSpec:
             raise LaunchError("not inside a Slurm allocation (no SLURM_JOB_ID): run it from an "
                               "sbatch script or an salloc shell, or use --local A+K on one machine")
         cfg.check_nodes(len(alloc.nodes), standbys)
-        nodes, mode, host = alloc.nodes, "slurm", alloc.batch_host
+        from ..slurm.address import AddressError, serve_address
+        try:
+            served = serve_address(alloc.nodes, getattr(args, "controller_address", None) or "",
+                                   cfg.comm.interface)
+        except AddressError as e:
+            raise LaunchError(str(e)) from None
+        nodes, mode, host = alloc.nodes, "slurm", served.address
         job_id = os.environ.get("TM_SLURM_JOB_ID") or args.job_id or alloc.job_id
     job_dir = Path(os.environ.get("TM_SLURM_JOB_DIR") or args.job_dir or cfg.job_dir
                    or Path.cwd() / "tm_slurm_jobs" / job_id).resolve()
     resume = args.resume
     if resume is None and mode == "slurm" and alloc.restart_count > 0:
         resume = "auto"          # a requeued job continues from its last checkpoint, if any
-    return JobSpec(mode, job_id, job_dir, tuple(nodes), standbys, tuple(command), host,
+    spec = JobSpec(mode, job_id, job_dir, tuple(nodes), standbys, tuple(command), host,
                    resume_checkpoint(cfg, job_dir, resume))
+    if mode == "slurm":
+        spec = dataclasses.replace(spec, served=served, kind=alloc.kind)
+    return spec
 
 
 def resume_checkpoint(cfg: cfgmod.Config, job_dir: Path, resume: str | None) -> str | None:
@@ -73,13 +93,17 @@ def resume_checkpoint(cfg: cfgmod.Config, job_dir: Path, resume: str | None) -> 
     from ..worker import checkpoint as ckpt
     if resume is None:
         return None
+    source = job_dir
     if resume not in ("latest", "auto"):
         d = Path(resume)
-        bad = ckpt.bad_shards(d, Topology(cfg.layout))
-        if bad:
-            raise LaunchError(f"--resume {d}: shards {bad} are missing or do not match their digest")
-        return str(d.resolve())
-    root = ckpt.root(cfg, job_dir)
+        if d.name.startswith("step"):
+            bad = ckpt.bad_shards(d, Topology(cfg.layout))
+            if bad:
+                raise LaunchError(f"--resume {d}: shards {bad} are missing or do not match their digest")
+            return str(d.resolve())
+        # an earlier job's directory or id: a new allocation (another job id) continues from it
+        source = d if d.is_dir() else Path.cwd() / "tm_slurm_jobs" / resume
+    root = ckpt.root(cfg, source)
     found, rejected = ckpt.latest_valid(root, Topology(cfg.layout))
     for step, why in rejected:
         print(f"tm-slurm: checkpoint of step {step} rejected: {why}", file=sys.stderr)
@@ -97,7 +121,9 @@ def run(cfg: cfgmod.Config, spec: JobSpec) -> int:
         os.environ["TM_SLURM_JOB_DIR"] = str(spec.job_dir)
         print(f"tm-slurm: job {spec.job_id} ({spec.mode}, {len(spec.nodes) - spec.standbys} active + "
               f"{spec.standbys} standby), job directory {spec.job_dir}", file=sys.stderr, flush=True)
-        mpictl.reexec_under_mpiexec()
+        if spec.served is not None and not reachable(cfg, spec):
+            return 2
+        return supervise()
     from ..controller.core import Controller
     # one inductor cache for the job: a joiner that compiles finds what the others compiled
     env = {"PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
@@ -112,6 +138,10 @@ def run(cfg: cfgmod.Config, spec: JobSpec) -> int:
     else:
         from ..slurm.launcher import SlurmLauncher
         from ..slurm.watcher import Watcher
+        if spec.kind != "batch":
+            # only a batch job can be requeued; an interactive run that ends resumable says so
+            # by its exit status and is continued with --resume in a new allocation
+            cfg = dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, requeue_on_exit=False))
         launcher = SlurmLauncher(spec.job_dir, cfg, spec.job_id, secret)
         watcher = Watcher(cfg, spec.job_id)
     ctl = Controller(cfg, job_id=spec.job_id, job_dir=spec.job_dir, command=list(spec.command),
@@ -121,8 +151,86 @@ def run(cfg: cfgmod.Config, spec: JobSpec) -> int:
     rc = ctl.run()
     print(f"tm-slurm: job {spec.job_id} ended {ctl.job.state.value} (exit {rc}); events in "
           f"{spec.job_dir / 'events.jsonl'}", file=sys.stderr, flush=True)
+    if ctl.job.state == JobState.REQUEUED and not cfg.slurm.requeue_on_exit:
+        print(f"tm-slurm: interrupted, resumable: continue with `tm-slurm run --resume {spec.job_dir} "
+              f"...` (the same options)", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(rc)
+
+
+def reachable(cfg: cfgmod.Config, spec: JobSpec) -> bool:
+    """Can the allocation's nodes reach the address the controller will serve from? Asked before
+    anything starts, so a wrong address costs seconds and leaves the allocation as it was."""
+    from ..events import EventLog
+    from ..slurm.address import probe
+    s, t = spec.served, cfg.timeouts
+    t0 = time.monotonic()
+    why = probe(s.address, s.node, t.reach_timeout_s, t.admit_timeout_s, cfg.slurm.srun_args)
+    log = EventLog(jobdir.events_file(spec.job_dir), spec.job_id)
+    detail = dict(address=s.address, how=s.how, detail=s.detail, allocation=spec.kind,
+                  host=socket.gethostname(), probed_from=s.node, probe_s=round(time.monotonic() - t0, 3))
+    if why:
+        log.emit("controller_unreachable", why=why, **detail)
+        print(f"tm-slurm run: the nodes cannot reach this host at {s.address} ({s.how}: {s.detail}): "
+              f"{why}; pass --controller-address ADDR, an address of this host they can reach. "
+              "Nothing was started.", file=sys.stderr, flush=True)
+    else:
+        log.emit("controller_address", **detail)
+        print(f"tm-slurm: the controller serves from {s.address} ({s.how}: {s.detail})",
+              file=sys.stderr, flush=True)
+    log.close()
+    return why is None
+
+
+def supervise() -> int:
+    """Run this same command as the controller, under `mpiexec -n 1` (control/mpi.py says why),
+    in a session of its own, and hand it the signals meant for the job. Ctrl-C signals the
+    terminal's whole foreground group, and mpiexec takes a second SIGINT as "abort": it would
+    SIGKILL the controller before the controller ends its agents' steps. So the terminal never
+    reaches mpiexec, and each SIGINT, SIGTERM (time limit) and SIGUSR1 (sbatch --signal) that this
+    process gets goes to the controller itself."""
+    argv = mpictl.mpiexec_argv([sys.executable, "-m", "tm_slurm", *sys.argv[1:]])
+    p = subprocess.Popen(argv, env=mpictl.mpi_env(), start_new_session=True, stdin=subprocess.DEVNULL,
+                         preexec_fn=_die_with_parent)
+
+    def forward(sig, _frame):
+        try:
+            os.kill(controller_pid(p.pid) or p.pid, sig)
+        except ProcessLookupError:
+            pass
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, forward)
+    rc = p.wait()
+    return rc if rc >= 0 else 128 - rc
+
+
+def _die_with_parent() -> None:
+    # a tm-slurm that is killed outright takes mpiexec with it, as when it was mpiexec itself
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
+
+
+def controller_pid(root: int) -> int | None:
+    """The `python -m tm_slurm` process below `root` (mpiexec -> proxy -> controller)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    todo = list(children.get(root, ()))
+    while todo:
+        pid = todo.pop()
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(bytes(1))
+        except OSError:
+            continue
+        if argv[1:3] == [b"-m", b"tm_slurm"]:
+            return pid
+        todo += children.get(pid, ())
+    return None
 
 
 def quote(cmd) -> str:

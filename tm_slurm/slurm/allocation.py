@@ -31,13 +31,15 @@ class AllocationError(ValueError):
 class Allocation:
     job_id: str
     nodes: tuple[str, ...]          # expanded SLURM_JOB_NODELIST, allocation order
-    batch_host: str                 # SLURMD_NODENAME in the batch step, else the first node
     user: str
     submit_dir: str
     restart_count: int = 0          # SLURM_RESTART_COUNT: times Slurm requeued this job
     time_limit_s: float | None = None   # only when the environment says (newer Slurm)
-    kind: str = "batch"             # "batch" (sbatch script), "salloc", or "step" (inside srun)
-    submit_host: str = ""           # where sbatch/salloc ran; with salloc this process runs there
+    # "batch" (sbatch script), "salloc", or "step" (inside srun); where this process runs (the
+    # controller serves from there: slurm/address.py) is the batch host, the submit host, or
+    # the step's node
+    kind: str = "batch"
+    submit_host: str = ""           # where sbatch/salloc ran
 
     @property
     def num_nodes(self) -> int:
@@ -75,7 +77,6 @@ def from_env(env: Mapping[str, str] | None = None) -> Allocation | None:
         kind = "batch"
     else:
         kind = "salloc"
-    batch_host = env["SLURMD_NODENAME"] if kind == "batch" else nodes[0]
     user = env.get("SLURM_JOB_USER") or env.get("USER") or env.get("LOGNAME") or ""
     if not user:
         try:
@@ -86,7 +87,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Allocation | None:
     start, end = env.get("SLURM_JOB_START_TIME"), env.get("SLURM_JOB_END_TIME")
     if start and end and _int(end) > _int(start) > 0:
         time_limit = float(_int(end) - _int(start))
-    return Allocation(job_id=str(job_id), nodes=nodes, batch_host=batch_host, user=user,
+    return Allocation(job_id=str(job_id), nodes=nodes, user=user,
                       submit_dir=env.get("SLURM_SUBMIT_DIR") or os.getcwd(),
                       restart_count=_int(env.get("SLURM_RESTART_COUNT"), 0),
                       time_limit_s=time_limit, kind=kind,

@@ -22,6 +22,12 @@ sinfo --version > sinfo_version.txt
 salloc -Q -N2 -w node[1-2] -t 1 env 2>/dev/null | grep '^SLURM' | sort > env_salloc.txt
 sbatch --wait -Q -N2 -w node[1-2] -t 1 -D /tmp -o "$PWD/env_sbatch.txt" --wrap 'env | grep ^SLURM | sort' >/dev/null
 scontrol show res -o > scontrol_res_none.txt
+# routes the controller's address is chosen from: the submit host to node1; on node1 (an salloc
+# step) to itself and to node2; node1's NodeAddr (the submit host may not resolve node names)
+addr() { scontrol show node -o "$1" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2; }
+ip -o route get "$(addr node1)" > ip_route_submit_to_node1.txt
+srun -Q -N1 -n1 -w node1 ip -o route get "$(addr node1)" > ip_route_node1_to_node1.txt
+srun -Q -N1 -n1 -w node1 ip -o route get "$(addr node2)" > ip_route_node1_to_node2.txt
 J1=$(sbatch --parsable -N3 -w node[3-5] --no-kill --requeue -t 10 -J tm_golden -D /tmp -o /dev/null --wrap "sleep 300")
 J2=$(sbatch --parsable -H -N2 -t 5 -J tm_golden_pending -D /tmp -o /dev/null --wrap "sleep 1")
 wait_running $J1 || { echo "job $J1 did not start"; exit 1; }
