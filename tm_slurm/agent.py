@@ -22,8 +22,8 @@ from .control import mpi as mpictl
 from .control.wire import Wire
 from .events import fsync_write
 from .messages import (AgentBye, Announce, Assign, Challenge, Checkpoint, Fence, Heartbeat, Hello,
-                       Launch, Ping, Report, Shutdown, Stop, ToWorkers, WorkerExited, WorkerInfo,
-                       WorkerReport, WorkerSuspect)
+                       Launch, Ping, Report, Shutdown, Signalled, Stop, ToWorkers, WorkerExited,
+                       WorkerInfo, WorkerReport, WorkerSuspect)
 
 EXIT_CONTROLLER_LOST = 75      # EX_TEMPFAIL: the job should be requeued
 
@@ -61,6 +61,7 @@ class Agent:
         self.launch: Launch | None = None
         self.seq = 0
         self.last_ctl = time.monotonic()
+        self.sigterm = 0          # SIGTERMs received; the first is passed on to the controller
 
     # ------------------------------------------------------------ connect
     def connect(self) -> mpictl.Channel:
@@ -229,6 +230,9 @@ class Agent:
                 self._read(ch, key.data)
             self._reap(ch)
             now = time.monotonic()
+            if self.sigterm == 1:
+                self.sigterm = 2
+                ch.send(Signalled(self.node, "SIGTERM"))
             if now >= next_hb:
                 self.heartbeat(ch)
                 next_hb = now + self.hb_interval
@@ -311,6 +315,16 @@ class Agent:
             time.sleep(0.001)
 
 
+def on_sigterm(agent: Agent) -> None:
+    """The first SIGTERM (Slurm's time limit or scancel, KillWait before SIGKILL) goes to the
+    controller, which writes a checkpoint in that window; the workers ignore it. A second one, or
+    one before the controller could be told, ends the node now."""
+    if agent.sigterm or agent.launch is None:
+        agent.kill_workers()
+        os._exit(143)
+    agent.sigterm = 1
+
+
 def main(job_dir: str, node: str, hb_interval: float, admit_timeout: float,
          controller_timeout: float) -> int:
     if not mpictl.under_mpiexec():
@@ -318,7 +332,7 @@ def main(job_dir: str, node: str, hb_interval: float, admit_timeout: float,
     os.umask(0o077)            # what the agent writes is the job's alone; workers get the user's
     agent = Agent(Path(job_dir), node, hb_interval, admit_timeout, controller_timeout,
                   auth.take_secret_from_env())
-    signal.signal(signal.SIGTERM, lambda *_: (agent.kill_workers(), os._exit(143)))
+    signal.signal(signal.SIGTERM, lambda *_: on_sigterm(agent))
     try:
         rc = agent.run()
     except SystemExit as e:

@@ -180,6 +180,14 @@ class WorkerSuspect:
 
 
 @dataclass(frozen=True)
+class Signalled:
+    """Slurm signalled this node's step (SIGTERM: a time limit, or scancel; SIGKILL follows after
+    KillWait): the controller, which may run where no signal comes, checkpoints and ends."""
+    node: str
+    signal: str
+
+
+@dataclass(frozen=True)
 class AgentBye:
     node: str
     reason: str

@@ -5,6 +5,7 @@ checkpoint) and reporting. Joining and recovery live in `promote.py`.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import threading
@@ -326,6 +327,9 @@ def run(build: BuildFn, step: StepFn, steps: int) -> None:
         raise SystemExit("this script runs under tm-slurm: `tm-slurm run --local 4+1 -- python "
                          f"{sys.argv[0]}` (or inside an sbatch job: see sbatch/train.sbatch); "
                          "under torchrun it trains without the runtime")
+    # Slurm's SIGTERM (a time limit, scancel) reaches every process of the step; the controller
+    # hears of it through the agent and has this rank checkpoint before SIGKILL (agent.on_sigterm)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     wire = Wire(socket.socket(fileno=int(fd)))
     boot = wire.recv_bootstrap()        # the job secret and id: from the agent, never the environment
     keys = Keys.derive(boot[:32])
