@@ -19,8 +19,8 @@ from pathlib import Path
 from . import jobdir as paths
 from .control import mpi as mpictl
 from .control.wire import Wire
-from .messages import (AgentBye, Assign, Checkpoint, Fence, Heartbeat, Hello, Launch, Ping, Report,
-                       Shutdown, Stop, ToWorkers, WorkerExited, WorkerInfo, WorkerReport,
+from .messages import (Aborted, AgentBye, Assign, Beat, Checkpoint, Fence, Heartbeat, Hello, Launch, Ping,
+                       Report, Shutdown, Stop, ToWorkers, WorkerExited, WorkerInfo, WorkerReport,
                        WorkerSuspect)
 
 EXIT_CONTROLLER_LOST = 75      # EX_TEMPFAIL: the job should be requeued
@@ -137,12 +137,12 @@ class Agent:
         w.suspect = False
         if msg.rank is not None:
             w.rank = msg.rank
-        if msg.kind == "hb":
+        if isinstance(msg, Beat):
             w.step = msg.step
-            w.committed = msg.data.get("committed")
-            w.progress.extend(msg.data.get("progress", ()))
+            w.committed = msg.committed
+            w.progress.extend(msg.progress)
             return
-        if msg.step is not None and msg.kind not in ("aborted",):
+        if msg.step is not None and not isinstance(msg, Aborted):
             w.step = msg.step
         self.busy_until = time.monotonic() + mpictl.BUSY_FOR_S
         ch.send(WorkerReport(self.node, w.local, msg))

@@ -1,8 +1,9 @@
 """The controller's main loop: admit agents, relay plans, watch liveness, and act on events.
 
-It is the only process that decides: which node failed, which standby replaces it, when a swap
-switches, when the job ends. Decisions come from `planner` (pure); this module executes them and
-records every state change in the event log.
+It is the only process that decides: which node failed, which standby replaces it, when the job
+ends. Membership changes are episodes (`episodes/`), started here from intake's decisions and
+from failures, driven by this loop, and reaching the controller only through `port.Port`, which
+this class implements. Every state change is recorded in the event log.
 """
 from __future__ import annotations
 
@@ -20,22 +21,26 @@ from .. import jobdir
 from ..comm import vote as votes
 from ..control import mpi as mpictl
 from ..events import EventLog
-from ..messages import (AgentBye, Fence, Heartbeat, Hello, Launch, Move, Ping, Shutdown, SwapPlan,
-                        WorkerExited, WorkerReport, WorkerSuspect)
-from ..planner import choose_joiner, initial_builds
+from ..exits import Exit
+from ..messages import (Aborted, AgentBye, CheckpointDone, CommError, Crashed, Exiting, Fence, Finished,
+                        GroupBuild, Heartbeat, Hello, Joined, Launch, Left, Ping, Recovered, RecoveryTimeout, Report,
+                        Shutdown, StandbyReady, Started, Stopped, SwapPlan, Switched, WorkerExited,
+                        WorkerReport, WorkerSuspect)
+from ..planner import initial_builds, plan_planned
 from ..roles import JobState, JobStatus, NodeTable, Role
 from ..topology import Topology
-from .progress import Progress
-from .intake import Intake
-from .ending import Ending
+from ..worker import checkpoint as ckpt
+from .episodes.base import Episode, Failure
+from .episodes.ending import Ending
+from .episodes.recovery import Recovery
+from .episodes.restart import FullRestart
+from .episodes.swap import PlannedSwap
+from .holders import Holders
+from .intake import Decision, Fail, Intake, Migrate, ReleaseStandby, Stop, TakeCheckpoint
 from .pool import Pool
+from .progress import Progress
 from .records import Records
-from .recovery import Recovery
-from .restart import FullRestart
 from .requests import Inbox as RequestInbox, Request, slurm_user_uid
-from .swap import PlannedSwap
-
-REQUEUE_EXIT = 75   # EX_TEMPFAIL: checkpointed, run me again
 
 
 class Controller:
@@ -57,13 +62,11 @@ class Controller:
         self.nodes = NodeTable(self.log)
         self.job = JobStatus(self.log)
         n_active = len(nodes) - standbys
-        self.holder: dict[int, str] = {}
         for i, n in enumerate(nodes[:n_active]):
             self.nodes.add(n, Role.ACTIVE, slot=i)
-            for r in self.topo.slot_ranks(i):
-                self.holder[r] = n
         for n in nodes[n_active:]:
             self.nodes.add(n, Role.STANDBY)
+        self.holders = Holders(self.topo, dict(enumerate(nodes[:n_active])))
         self.gen = 0
         self._gen_seq = 0
         self.plan_seq = 0
@@ -76,32 +79,61 @@ class Controller:
         self.progress = Progress()
         self.finished: dict[int, str] = {}
         self.exited: set[tuple[str, int]] = set()
-        self.swap: PlannedSwap | None = None
-        self.recovery: Recovery | None = None
-        self.restart: FullRestart | None = None
+        self.episodes: list[Episode] = []        # in the order they started
         self.interruptions: list[dict] = []
         self.checkpoints_done: set[int] = set()
         self.resume_checkpoint = resume_checkpoint
         self.start_step = 0
         self.total_steps: int | None = None
-        self.requeue_code = REQUEUE_EXIT
-        self.ending: Ending | None = None
+        self.requeue_code = int(Exit.REQUEUE)
         self.exit_code: int | None = None
         self._agents_gone: set[str] = set()
         allowed = {os.getuid(), 0} | ({u} if (u := slurm_user_uid()) is not None else set())
         self.requests = RequestInbox(self.job_dir, allowed)
         self.records = Records(self)
         self.time_limit_signal = False
-        self.intake = Intake(self)
+        self.intake = Intake(self.log.emit)
         self.pool = Pool(self)
 
-    # ------------------------------------------------------------ helpers used by swap/recovery
+    # ------------------------------------------------------------ episodes
+    def live(self) -> list[Episode]:
+        self.episodes = [e for e in self.episodes if not e.done]
+        return self.episodes
+
+    def find(self, kind: type) -> Episode | None:
+        return next((e for e in self.live() if isinstance(e, kind)), None)
+
+    @property
+    def ending(self) -> Ending | None:
+        return self.find(Ending)
+
+    def start(self, episode: Episode) -> None:
+        self.episodes.append(episode)
+        episode.start()
+
+    def busy(self) -> bool:
+        return bool(self.live())
+
+    # ------------------------------------------------------------ the port (see port.py)
+    def now(self) -> float:
+        return time.monotonic()
+
+    def wall(self) -> float:
+        return time.time()
+
     def new_gen(self) -> int:
         self._gen_seq += 1
         return self._gen_seq
 
+    def enter_gen(self, gen: int) -> None:
+        self.gen = self.log.gen = gen
+
+    def next_plan_id(self) -> int:
+        self.plan_seq += 1
+        return self.plan_seq
+
     def committed_step(self) -> int | None:
-        return self.progress.min_committed(self.holder)
+        return self.progress.min_committed(self.holders.ranks)
 
     def send(self, node: str, msg) -> None:
         ch = self.channels.get(node)
@@ -112,17 +144,67 @@ class Controller:
         for n in list(self.channels):
             self.send(n, msg)
 
-    def adopt(self, plan: SwapPlan) -> None:
-        """A plan took effect: new generation, new slot holders, new group instances."""
-        self.gen = plan.gen_to
-        self.log.gen = plan.gen_to
-        since = (self.committed_step() or 0) + 1
+    def adopt(self, plan: SwapPlan, since: int) -> None:
+        """A plan took effect: new generation, new slot holders (from step `since`), new group instances."""
+        self.enter_gen(plan.gen_to)
         for m in plan.moves:
-            self.pool.holder_since[m.joiner] = since
-            for r in self.topo.slot_ranks(m.slot):
-                self.holder[r] = m.joiner
+            self.holders.hold(m.slot, m.joiner, since)
         for b in plan.builds:
             self.groups[b.id] = b
+
+    def request_drain(self, node: str, request: Request) -> None:
+        self.intake.want_drain(node, request)
+
+    def record_interruption(self, rec: dict) -> None:
+        self.interruptions.append(rec)
+
+    def worker_locals(self, node: str) -> list[int]:
+        return list(self.workers.get(node, {}))
+
+    def has_exited(self, node: str, local: int) -> bool:
+        return (node, local) in self.exited
+
+    def all_started(self) -> bool:
+        return all(r in self.started for r in range(self.topo.world))
+
+    def agents_alive(self) -> list[str]:
+        return [n for n in self.channels if n not in self._agents_gone]
+
+    def set_exit_code(self, code: int) -> None:
+        self.exit_code = code
+
+    def checkpoint_done(self, step: int) -> bool:
+        return step in self.checkpoints_done
+
+    def checkpoint_path(self, step: int) -> str:
+        return str(ckpt.step_dir(ckpt.root(self.cfg, self.job_dir), step))
+
+    def latest_checkpoint(self) -> tuple[int, str] | None:
+        found, rejected = ckpt.latest_valid(ckpt.root(self.cfg, self.job_dir), self.topo)
+        for s, why in rejected:
+            self.log.emit("checkpoint_rejected", step=s, why=why)
+        return (found[0], str(found[1])) if found else None
+
+    def reshape(self, layout: cfgmod.Layout) -> None:
+        from dataclasses import replace
+        self.cfg = replace(self.cfg, layout=layout)
+        self.topo = Topology(layout)
+        self.progress.clear()          # its records are keyed by the old rank numbers
+
+    def relaunch(self, node: str) -> None:
+        self.send(node, self._launch_msg(node))
+
+    def forget_warmup(self, node: str) -> None:
+        self.standby_up.pop(node, None)
+
+    def restart_workers(self, checkpoint: str | None, start_step: int) -> None:
+        """Every slot's node starts its workers anew, on fresh groups, from `checkpoint`."""
+        self.groups = {g.id: GroupBuild(g.id, g.members, f"r{self.gen}/{g.id}") for g in self.topo.groups}
+        self.resume_checkpoint, self.start_step = checkpoint, start_step
+        self.started.clear()
+        self.exited.clear()
+        for n in sorted(self.holders.nodes()):
+            self.relaunch(n)
 
     # ------------------------------------------------------------ setup
     def _open(self) -> None:
@@ -199,54 +281,63 @@ class Controller:
         elif isinstance(m, AgentBye):
             self._agent_gone(node, m.reason)
 
-    def _report(self, node: str, local: int, rep) -> None:
-        kind, rank, step, data = rep.kind, rep.rank, rep.step, rep.data
-        if kind == "started":
-            self.started.add(rank)
-            self.total_steps = data.get("steps") or self.total_steps
-            if self.job.state == JobState.STARTING and len(self.started) == self.topo.world:
-                self.job.set(JobState.RUNNING, since_start_s=round(time.monotonic() - self.t_start, 3))
-            if all(r in self.started for r in self.topo.slot_ranks(self.nodes.nodes[node].slot)):
-                self.nodes.set_ready(node)
-        elif kind == "standby_ready":
-            up = self.standby_up.setdefault(node, set())
-            up.add(local)
-            if len(up) == self.cfg.layout.ranks_per_node and self.nodes.nodes[node].role == Role.STANDBY:
-                self.nodes.set_ready(node, warm=bool(data.get("warm", False)), sandbox=data.get("sandbox"))
-        elif kind == "comm_error":
-            self.log.emit("comm_error", node=node, rank=rank, step=step, group=data.get("group"),
-                          error=data.get("error"))
-        elif kind == "checkpoint":
-            if data.get("path"):
-                self.log.emit("checkpoint_saved", node=node, rank=rank, step=step,
-                              reason=data.get("reason"), save_s=round(data.get("save_s", 0), 4))
-            self.records.checkpoint_written(step)
-        elif kind == "finished":
-            self.finished[rank] = data["digest"]
-            if len(self.finished) == self.topo.world:
-                self.stop("finished", JobState.FINISHED, code=0)
-        elif kind == "crashed":
-            self.log.emit("worker_crashed", node=node, rank=rank, error=data.get("error", "")[-1500:])
-        elif kind in ("switched", "recovered", "joined", "left"):
-            self.log.emit(f"rank_{kind}", node=node, rank=rank, step=step, **data)
-        elif kind == "exiting" and self.restart is not None:
-            self.restart.exit_step = step
-        elif kind in ("recovery_timeout", "exiting", "stopped"):
-            self.log.emit(f"worker_{kind}", node=node, rank=rank, step=step, **data)
-        if self.swap is not None:
-            self.swap.on_report(node, kind, rank, step, data)
-        if self.recovery is not None:
-            self.recovery.on_report(node, kind, rank, step, data, rep.gen)
-        if kind == "aborted" and self.recovery is None and self.restart is None and self.ending is None:
+    def _report(self, node: str, local: int, rep: Report) -> None:
+        handler = _ON_REPORT.get(type(rep))
+        if handler is not None:
+            handler(self, node, local, rep)
+        for ep in list(self.live()):
+            ep.on_report(node, rep)
+        if isinstance(rep, Aborted) and not any(isinstance(e, (Recovery, FullRestart, Ending))
+                                                for e in self.live()):
             # a rank aborted a step on its own (it saw a collective fail); who failed is decided
             # by the detectors below, but the recovery starts collecting now
-            self._begin_recovery(rep.gen, step, data.get("t", time.time()))
-            self.recovery.on_report(node, kind, rank, step, data, rep.gen)
+            rec = Recovery(self, rep.gen, rep.step, rep.t)
+            self.start(rec)
+            rec.on_report(node, rep)
+
+    def _on_started(self, node: str, local: int, rep: Started) -> None:
+        self.started.add(rep.rank)
+        self.total_steps = rep.steps or self.total_steps
+        if self.job.state == JobState.STARTING and len(self.started) == self.topo.world:
+            self.job.set(JobState.RUNNING, since_start_s=round(time.monotonic() - self.t_start, 3))
+        if all(r in self.started for r in self.topo.slot_ranks(self.nodes.nodes[node].slot)):
+            self.nodes.set_ready(node)
+
+    def _on_standby_ready(self, node: str, local: int, rep: StandbyReady) -> None:
+        up = self.standby_up.setdefault(node, set())
+        up.add(local)
+        if len(up) == self.cfg.layout.ranks_per_node and self.nodes.nodes[node].role == Role.STANDBY:
+            self.nodes.set_ready(node, warm=bool(rep.warm), sandbox=rep.sandbox)
+
+    def _on_comm_error(self, node: str, local: int, rep: CommError) -> None:
+        self.log.emit("comm_error", node=node, rank=rep.rank, step=rep.step, group=rep.group, error=rep.error)
+
+    def _on_checkpoint(self, node: str, local: int, rep: CheckpointDone) -> None:
+        if rep.path:
+            self.log.emit("checkpoint_saved", node=node, rank=rep.rank, step=rep.step, reason=rep.reason,
+                          save_s=round(rep.save_s, 4))
+        self.records.checkpoint_written(rep.step)
+
+    def _on_finished(self, node: str, local: int, rep: Finished) -> None:
+        self.finished[rep.rank] = rep.digest
+        if len(self.finished) == self.topo.world:
+            self.stop("finished", JobState.FINISHED, code=Exit.OK)
+
+    def _on_crashed(self, node: str, local: int, rep: Crashed) -> None:
+        self.log.emit("worker_crashed", node=node, rank=rep.rank, error=rep.error[-1500:])
+
+    def _on_rank_change(self, node: str, local: int, rep: Report) -> None:
+        self.log.emit(f"rank_{rep.KIND}", node=node, rank=rep.rank, step=rep.step, **rep.data())
+
+    def _on_worker_news(self, node: str, local: int, rep: Report) -> None:
+        if isinstance(rep, Exiting) and self.find(FullRestart) is not None:
+            return                 # the restart's own checkpoint-and-exit: it reads the step
+        self.log.emit(f"worker_{rep.KIND}", node=node, rank=rep.rank, step=rep.step, **rep.data())
 
     def _worker_exited(self, m: WorkerExited) -> None:
         self.exited.add((m.node, m.local))
         n = self.nodes.nodes[m.node]
-        expected = (self.ending is not None or self.restart is not None
+        expected = (self.ending is not None or self.find(FullRestart) is not None
                     or n.role in (Role.LEAVING, Role.RELEASED, Role.FAILED)
                     or (m.rc == 0 and m.rank in self.finished))
         self.log.emit("worker_exit", node=m.node, rank=m.rank, rc=m.rc, pid=m.pid, expected=expected)
@@ -261,7 +352,8 @@ class Controller:
         if ch is not None:
             ch.abandon()
         n = self.nodes.nodes[node]
-        if n.role == Role.LEAVING and (self.swap is None or self.swap.state in ("switched",)):
+        if n.role == Role.LEAVING and node not in self.holders:
+            # a leaver whose ranks have moved on (its swap switched): its node goes back to Slurm
             self.nodes.set_role(node, Role.RELEASED, reason="evacuated")
             self.release(node, why)
         elif n.role in (Role.ACTIVE, Role.STANDBY, Role.JOINING, Role.LEAVING) and self.ending is None:
@@ -276,6 +368,39 @@ class Controller:
         self.log.emit("node_released", node=node, why=why, result=result,
                       release_s=round(time.monotonic() - t0, 4))
 
+    # ------------------------------------------------------------ decisions
+    def _apply(self, decisions: list[Decision]) -> None:
+        for d in decisions:
+            if isinstance(d, Fail):
+                self.fail(d.node, d.how, **d.detail)
+            elif isinstance(d, Stop):
+                self.abort_and_stop(d.why)
+            elif isinstance(d, ReleaseStandby):
+                self.send(d.node, Shutdown(f"drained: {d.reason}"))
+                self.nodes.set_role(d.node, Role.RELEASED, reason=f"drained standby: {d.reason}")
+                self.release(d.node, "standby drained")
+            elif isinstance(d, Migrate):
+                req = d.request
+                if self.cfg.recovery.strategy == "restart":
+                    self.start(FullRestart.planned(self, d.move, req.reason or "drain", req.t))
+                else:
+                    plan = plan_planned(self.topo, self.next_plan_id(), self.gen, self.new_gen(), [d.move],
+                                        reason=req.reason or req.verb)
+                    self.start(PlannedSwap(self, plan, req))
+            elif isinstance(d, TakeCheckpoint):
+                votes.set_pending(self.store, self.gen, checkpoint=d.reason or "requested", exit=d.exit)
+                self.log.emit("checkpoint_requested", reason=d.reason, exit=d.exit)
+                if d.exit:
+                    self.stop(d.reason or "checkpoint and exit", JobState.REQUEUED, code=self.requeue_code,
+                              wait_workers=True)
+
+    def handle_request(self, r: Request) -> None:
+        self._apply(self.intake.handle(r, self.nodes.nodes))
+
+    def _poll_watcher(self) -> None:
+        held = [n for n, x in self.nodes.nodes.items() if x.role not in (Role.FAILED, Role.RELEASED)]
+        self._apply(self.intake.watcher(*self.watcher.poll(held), self.nodes.nodes))
+
     # ------------------------------------------------------------ failures
     def injected_at(self, node: str) -> float | None:
         p = jobdir.control_dir(self.job_dir) / f"injected-{node}.json"
@@ -286,7 +411,7 @@ class Controller:
 
     def fail(self, node: str, how: str, **detail) -> None:
         """The one place a node is declared failed: fence it, abort the step if it held (or was
-        about to hold) ranks, and hand over to recovery."""
+        about to hold) ranks, and hand it to the episodes in flight, or to a new recovery."""
         n = self.nodes.nodes.get(node)
         if n is None or n.role in (Role.FAILED, Role.RELEASED):
             return
@@ -297,66 +422,28 @@ class Controller:
         ch = self.channels.get(node)
         if ch is not None:
             ch.abandon()
-        involved = node in self.holder.values() or (
-            self.swap is not None and node in self.swap.plan.joiners + self.swap.plan.leavers)
-        slot = n.slot if n.role in (Role.ACTIVE, Role.LEAVING) and node in self.holder.values() else None
+        involved = node in self.holders or any(e.involves(node) for e in self.live())
         self.nodes.set_role(node, Role.FAILED, reason=how, **detail)
         info = {"how": how, "detect_s": round(t_detect - t_fail, 4) if t_fail else None, **detail}
         self.log.emit("failure_detected", node=node, gen=self.gen, **info)
         if self.job.state == JobState.STARTING and involved:
-            self.stop(f"{node} failed before training started ({how})", JobState.FAILED, code=1)
+            self.stop(f"{node} failed before training started ({how})", JobState.FAILED, code=Exit.FAILED)
             return
-        if self.ending is not None or not involved:
-            if self.swap is not None and node in self.swap.plan.joiners:
-                self.swap.cancel(f"joiner {node} failed ({how})")
-            return
-        if self.recovery is not None and self.recovery.state == "resumed":
-            self.recovery.finish(interrupted=True)
-        gen, step = self.abort_in_flight(f"{node} failed ({how})")
-        if self.restart is not None and self.restart.shrink is not None:
-            self.log.emit("shrink_failed", node=node, step=step, why=f"{node} failed during the shrink")
-            self.stop(f"{node} failed during a shrink ({how})", JobState.REQUEUED, code=self.requeue_code)
+        f = Failure(node, how, info, t_fail or t_detect)
+        if self.ending is None and involved:
+            f.aborted = self.abort_in_flight(f"{node} failed ({how})")
+        for ep in list(self.live()):
+            if ep.on_node_failed(f):
+                return
+        if f.aborted is None:
             return
         if self.cfg.recovery.strategy == "restart":
-            self._restart_after_failure(node, slot, step, t_fail or t_detect, how)
-            return
-        if self.swap is not None and gen == self.gen and self.swap.state != "switched":
-            self.swap.cancel(f"{node} failed ({how})")   # unless a commit carried the switch already
-        if self.swap is not None:
-            # the switch stands: the failed node's slot is the one it holds after it
-            self.swap.on_switched(int(self.store.get(votes.switch_key(self.swap.plan.id))))
-            slot = next((m.slot for m in self.swap.plan.moves if m.joiner == node), slot)
-            if node in self.swap.plan.leavers:
-                slot = None          # its ranks had moved already
-            self.swap.finish(interrupted=True)
-        if slot is None and node in self.holder.values():
-            slot = self.topo.slot_of(next(r for r, h in self.holder.items() if h == node))
-        if self.recovery is None:
-            self._begin_recovery(gen, step, t_fail or t_detect)
-        elif gen != self.recovery.gen:
-            self.recovery.gen, self.recovery.step, self.recovery.aborted = gen, step, {}
-        if slot is not None:
-            self.recovery.add_failure(node, info, slot)
+            ep = FullRestart.after_failure(self, f)
         else:
-            self.recovery.failed.setdefault(node, info)
-
-    def _restart_after_failure(self, node: str, slot, step: int, t_fail: float, how: str) -> None:
-        if slot is None and node in self.holder.values():
-            slot = self.topo.slot_of(next(r for r, h in self.holder.items() if h == node))
-        taken = [m.joiner for m in self.restart.moves] if self.restart else []
-        joiner = choose_joiner(self.nodes.nodes.values(), exclude=taken)
-        if slot is not None and joiner is None:
-            self.log.emit("standbys_exhausted", step=step, policy="restart", action="exit")
-            self.stop("no standby to restart on", JobState.REQUEUED, code=self.requeue_code)
-            return
-        move = [Move(slot, node, joiner)] if slot is not None else []
-        if self.restart is None:
-            self.restart = FullRestart(self, "unplanned", move, how, t_fail)
-            self.restart.start_unplanned(step)
-        else:
-            self.restart.moves += move
-            for m in move:
-                self.nodes.set_role(m.joiner, Role.JOINING, reason=how, slot=m.slot)
+            ep = Recovery(self, *f.aborted, f.t)
+        if ep is not None:
+            self.start(ep)
+            ep.on_node_failed(f)
 
     def abort_in_flight(self, why: str) -> tuple[int, int]:
         """Abort whatever step the ranks are in (see vote.abort_in_flight for the range)."""
@@ -364,11 +451,6 @@ class Controller:
                    if w.rank is not None and w.step is not None]
         lo = (self.committed_step() or -1) + 1
         return votes.abort_in_flight(self.store, self.gen, lo, max(working, default=lo) + 1, why)
-
-    def _begin_recovery(self, gen: int, step: int, t_fail: float) -> None:
-        self.recovery = Recovery(self, gen, step, t_fail)
-        if self.job.state != JobState.RECOVERING:
-            self.job.set(JobState.RECOVERING, step=step)
 
     def _check_liveness(self, now: float) -> None:
         if self.ending is not None:
@@ -406,15 +488,15 @@ class Controller:
     # ------------------------------------------------------------ stopping
     def abort_and_stop(self, why: str) -> None:
         self.abort_in_flight(why)
-        self.stop(why, JobState.FAILED if why.startswith("unrecoverable") else JobState.FINISHED, code=1)
+        self.stop(why, JobState.FAILED if why.startswith("unrecoverable") else JobState.FINISHED,
+                  code=Exit.FAILED)
 
     def stop(self, why: str, final: JobState, code: int, wait_workers: bool = False) -> None:
         if self.ending is not None:
             return
-        if self.swap is not None and self.swap.state == "switched" and self.swap.joined:
-            self.swap.finish(interrupted=True)   # the job ended inside the measuring window
-        self.job.set(JobState.STOPPING, why=why)
-        self.ending = Ending(why, final, code, wait_workers, time.monotonic())
+        for ep in list(self.live()):
+            ep.finish(why)
+        self.start(Ending(self, why, final, int(code), wait_workers))
 
     # ------------------------------------------------------------ loop
     def run(self) -> int:
@@ -447,28 +529,23 @@ class Controller:
                     missing = sorted(set(self.nodes.nodes) - set(self.channels))
                     self.log.emit("start_timeout", missing_agents=missing)
                     self.stop(f"not every node started within {self.T.admit_timeout_s}s: {missing}",
-                              JobState.FAILED, code=1)
+                              JobState.FAILED, code=Exit.FAILED)
                 self._check_liveness(now)
                 if now >= next_req:
-                    self.intake.poll_requests()
+                    self._apply(self.intake.requests(*self.requests.poll(), self.nodes.nodes))
                     next_req = now + 0.05
                 if self.watcher is not None:
-                    self.intake.poll_watcher()
+                    self._poll_watcher()
                 if self.time_limit_signal:
                     self.time_limit_signal = False
-                    self.intake.handle(Request("checkpoint", None, "time limit (SIGUSR1)", time.time(),
-                                               os.getuid(), "", {"exit": True}))
-                if self.swap is not None:
-                    self.swap.tick(now)
-                if self.recovery is not None:
-                    self.recovery.tick(now)
-                if self.restart is not None:
-                    self.restart.tick(now)
+                    self.handle_request(Request("checkpoint", None, "time limit (SIGUSR1)", time.time(),
+                                                os.getuid(), "", {"exit": True}))
+                for ep in list(self.live()):
+                    ep.tick(now)
                 self.pool.check_stragglers(now)
-                self.intake.drive()
+                if not self.busy() and self.job.state == JobState.RUNNING and self.committed_step() is not None:
+                    self._apply(self.intake.next(self.nodes.nodes))
                 self.pool.replenish()
-                if self.ending is not None:
-                    self.ending.drive(self, now)
                 if self.on_tick is not None:
                     self.on_tick(self)
                 if now >= next_ping:
@@ -478,13 +555,13 @@ class Controller:
                 if now >= next_status:
                     self.records.write_status()
                     next_status = now + 0.5
-                busy = (now < busy_until or self.swap or self.recovery or self.restart
+                busy = (now < busy_until or self.busy()
                         or self.job.state in (JobState.STARTING, JobState.STOPPING))
                 time.sleep(mpictl.POLL_BUSY_S if busy else mpictl.POLL_IDLE_S)
         except Exception:
             import traceback
             self.log.emit("controller_error", error=traceback.format_exc()[-3000:])
-            self.exit_code = 1
+            self.exit_code = int(Exit.FAILED)
             raise
         finally:
             self.records.write_status()
@@ -506,3 +583,20 @@ class Controller:
         except Exception as e:
             self.log.emit("requeue_failed", error=str(e)[:500])
 
+
+
+_ON_REPORT: dict[type, Callable] = {
+    Started: Controller._on_started,
+    StandbyReady: Controller._on_standby_ready,
+    CommError: Controller._on_comm_error,
+    CheckpointDone: Controller._on_checkpoint,
+    Finished: Controller._on_finished,
+    Crashed: Controller._on_crashed,
+    Switched: Controller._on_rank_change,
+    Recovered: Controller._on_rank_change,
+    Joined: Controller._on_rank_change,
+    Left: Controller._on_rank_change,
+    Exiting: Controller._on_worker_news,
+    Stopped: Controller._on_worker_news,
+    RecoveryTimeout: Controller._on_worker_news,
+}
