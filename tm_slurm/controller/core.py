@@ -394,6 +394,11 @@ class Controller:
                     self.stop(d.reason or "checkpoint and exit", JobState.REQUEUED, code=self.requeue_code,
                               wait_workers=True)
 
+    def _drive_intake(self) -> None:
+        """Start what was asked for, one thing at a time, only while training runs."""
+        if not self.busy() and self.job.state == JobState.RUNNING and self.committed_step() is not None:
+            self._apply(self.intake.next(self.nodes.nodes))
+
     def handle_request(self, r: Request) -> None:
         self._apply(self.intake.handle(r, self.nodes.nodes))
 
@@ -543,8 +548,7 @@ class Controller:
                 for ep in list(self.live()):
                     ep.tick(now)
                 self.pool.check_stragglers(now)
-                if not self.busy() and self.job.state == JobState.RUNNING and self.committed_step() is not None:
-                    self._apply(self.intake.next(self.nodes.nodes))
+                self._drive_intake()
                 self.pool.replenish()
                 if self.on_tick is not None:
                     self.on_tick(self)

@@ -126,7 +126,7 @@ class Intake:
                 del self.wanted_drains[node]
                 out.append(ReleaseStandby(node, req.reason))
                 continue
-            joiner = choose_joiner(nodes.values())
+            joiner = choose_joiner(nodes.values(), exclude=[d.node for d in out])
             if joiner is None:
                 if node not in self.deferred_drains:
                     self.deferred_drains.add(node)

@@ -10,7 +10,6 @@ if TYPE_CHECKING:
     from ..messages import SwapPlan
     from ..roles import JobState, JobStatus, NodeTable
     from ..topology import Topology
-    from .episodes.base import Episode
     from .holders import Holders
     from .progress import Progress
 
@@ -47,7 +46,7 @@ class Port(Protocol):
     def request_drain(self, node: str, request) -> None: ...
     def release(self, node: str, why: str) -> None: ...
     def stop(self, why: str, final: "JobState", code: int, wait_workers: bool = False) -> None: ...
-    def start(self, episode: "Episode") -> None: ...
+    def start(self, episode) -> None: ...     # drive this episode from now on
     def record_interruption(self, rec: dict) -> None: ...
 
     # ------------------------------------------------------------ workers and agents
