@@ -20,8 +20,8 @@ from tm_slurm.controller.holders import Holders
 from tm_slurm.controller.intake import Intake, Migrate, ReleaseStandby
 from tm_slurm.controller.progress import Progress
 from tm_slurm.controller.requests import Request
-from tm_slurm.messages import (REPORT_KINDS, Aborted, CancelPlan, Exiting, Fence, Joined, Left, Move, Prepare, PrepareFailed,
-                               Ready, Recover, RecoverBuilt, Recovered, Report, Resume, Shutdown, Switched,
+from tm_slurm.messages import (REPORT_KINDS, Aborted, CancelPlan, Exiting, Fence, Joined, Left, Move, Prepare,
+                               PrepareFailed, Ready, Recover, RecoverBuilt, Recovered, Report, Resume, Shutdown,
                                ToWorkers, WriteCheckpoint, report)
 from tm_slurm.planner import ShrinkPlan, plan_planned, plan_shrink
 from tm_slurm.roles import JobState, JobStatus, NodeTable, Role, TransitionError
@@ -424,10 +424,8 @@ def test_job_ending_inside_the_measuring_window_records_the_swap():
 
 def recovery_on(port: FakePort, node="n3", step=5) -> Recovery:
     port.commit(0, 1, 2, 3, 4)
-    f = port.down(node)
-    ep = Recovery(port, *f.aborted, f.t)
+    ep = Recovery.after_failure(port, port.down(node))
     port.start(ep)
-    assert ep.on_node_failed(f)
     return ep
 
 
@@ -457,11 +455,14 @@ def test_recovery_from_failure_to_measured_completion():
     assert port.holders.ranks[3] == "s0" and port.holders.since["s0"] == 5
     assert port.nodes.nodes["s0"].role == Role.ACTIVE and port.job.state == JobState.RUNNING
     for node, rank in sorted(ep.needed):
-        cls = Joined if node == "s0" else Recovered
-        fields = (dict(build_model_s=0.1, build_s=0.1, reused_sandbox=True, wait_s=0.0, recv_s=0.03)
-                  if cls is Joined else dict(resume_s=0.01, donor=rank == 2,
-                                             **(dict(bytes=64, transfer_s=0.02, tensors=2) if rank == 2 else {})))
-        ep.on_report(node, r(cls, rank, 5, plan=plan.id, **fields))
+        if node == "s0":
+            ep.on_report(node, r(Joined, rank, 5, plan=plan.id, build_model_s=0.1, build_s=0.1,
+                                 reused_sandbox=True, wait_s=0.0, recv_s=0.03))
+        elif rank == 2:      # the donor of rank 3's state
+            ep.on_report(node, r(Recovered, rank, 5, plan=plan.id, resume_s=0.01, donor=True, bytes=64,
+                                 transfer_s=0.02, tensors=2))
+        else:
+            ep.on_report(node, r(Recovered, rank, 5, plan=plan.id, resume_s=0.01, donor=False))
     ep.tick(port.now())
     assert ep.state == RS.RESUMED                 # step 5 not committed again yet
     port.commit(5)
@@ -645,6 +646,14 @@ def test_planned_restart_checkpoints_then_relaunches_everyone():
     assert port.interruptions[0]["phases"]["start_s"] == 2.0
 
 
+def test_planned_restart_leaver_failing_is_not_replaced_twice():
+    port = FakePort(restart_cfg())
+    ep = FullRestart.planned(port, Move(1, "n1", "s0"), "maintenance", 990.0)
+    port.start(ep)
+    assert ep.on_node_failed(port.down("n1"))
+    assert ep.moves == [Move(1, "n1", "s0")] and port.nodes.nodes["s1"].role == Role.STANDBY
+
+
 def test_restart_after_failure_resumes_from_the_latest_checkpoint():
     port = FakePort(restart_cfg())
     f = port.down("n2")
@@ -818,6 +827,15 @@ def test_controller_failure_during_phase_1_cancels_the_swap_and_recovers(ctl):
     assert isinstance(rec, Recovery) and rec.slots() == {"n3": 3}
     assert ctl.nodes.nodes["n1"].role == Role.ACTIVE and "n1" in ctl.intake.wanted_drains
     assert ctl.launcher.killed == ["n3"]
+
+
+def test_controller_restarts_everything_after_a_failure_with_the_restart_strategy(ctl):
+    ctl.cfg = restart_cfg()
+    ctl.fail("n2", "test")
+    (restart,) = ctl.live()
+    assert isinstance(restart, FullRestart) and restart.moves == [Move(2, "n2", "s0")]
+    ctl.fail("n0", "test")
+    assert ctl.live() == [restart] and restart.moves == [Move(2, "n2", "s0"), Move(0, "n0", "s1")]
 
 
 def test_controller_starts_collecting_on_a_rank_abort_and_ignores_stale_gens(ctl):

@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import jobdir as paths
+from . import logs
 from .control import mpi as mpictl
 from .control.wire import Wire
 from .messages import (Aborted, AgentBye, Assign, Beat, Checkpoint, Fence, Heartbeat, Hello, Launch, Ping,
                        Report, Shutdown, Stop, ToWorkers, WorkerExited, WorkerInfo, WorkerReport,
                        WorkerSuspect)
-
-EXIT_CONTROLLER_LOST = 75      # EX_TEMPFAIL: the job should be requeued
+from .exits import Exit
 
 
 @dataclass
@@ -45,6 +45,7 @@ class Agent:
     def __init__(self, job_dir: Path, node: str, hb_interval: float, admit_timeout: float,
                  controller_timeout: float):
         self.job_dir, self.node = Path(job_dir), node
+        self.logger = logs.get("agent", job=self.job_dir.name, node=node)
         self.hb_interval = hb_interval
         self.admit_timeout = admit_timeout
         self.controller_timeout = controller_timeout
@@ -194,7 +195,7 @@ class Agent:
         while True:
             t = time.monotonic()
             if t - last > 0.5:
-                print(f"agent {self.node}: main loop stalled {t - last:.2f}s", file=sys.stderr, flush=True)
+                self.logger.warning("main loop stalled %.2fs", t - last)
             last = t
             for m in ch.poll():
                 self.last_ctl = time.monotonic()
@@ -252,8 +253,8 @@ class Agent:
         a headless job holding the allocation. The survivor agent with the lowest node name
         requeues it once every survivor is done."""
         ch.abandon()
-        print(f"agent {self.node}: controller silent for {self.controller_timeout}s; "
-              "checkpointing and ending the job", file=sys.stderr, flush=True)
+        self.logger.warning("controller silent for %ss; checkpointing and ending the job",
+                            self.controller_timeout)
         d = paths.control_dir(self.job_dir) / "lost"
         d.mkdir(parents=True, exist_ok=True)
         (d / f"agent-{self.node}.alive").write_text(str(os.getpid()))
@@ -270,7 +271,7 @@ class Agent:
             while time.monotonic() < end and not all((d / f"agent-{n}.done").exists() for n in alive):
                 time.sleep(0.1)
             self._end_job()
-        return EXIT_CONTROLLER_LOST
+        return Exit.REQUEUE
 
     def _end_job(self) -> None:
         job = os.environ.get("SLURM_JOB_ID")
@@ -281,8 +282,7 @@ class Agent:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
         if r.returncode != 0 and requeue:
             subprocess.run(["scancel", job], capture_output=True, timeout=30)
-        print(f"agent {self.node}: {' '.join(cmd)} -> {r.returncode} {r.stderr.strip()}",
-              file=sys.stderr, flush=True)
+        self.logger.warning("%s -> %s %s", " ".join(cmd), r.returncode, r.stderr.strip())
 
     def _flush(self, ch, timeout: float = 2.0) -> None:
         end = time.monotonic() + timeout
@@ -294,14 +294,15 @@ def main(job_dir: str, node: str, hb_interval: float, admit_timeout: float,
          controller_timeout: float) -> int:
     if not mpictl.under_mpiexec():
         mpictl.reexec_under_mpiexec()
+    logs.setup()
     agent = Agent(Path(job_dir), node, hb_interval, admit_timeout, controller_timeout)
     signal.signal(signal.SIGTERM, lambda *_: (agent.kill_workers(), os._exit(143)))
     try:
         rc = agent.run()
     except SystemExit as e:
-        print(e, file=sys.stderr, flush=True)
+        agent.logger.error("%s", e)
         agent.kill_workers()
-        rc = 2
+        rc = Exit.USAGE
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)

@@ -128,7 +128,7 @@ class WorkerInfo:
     committed: int | None     # last committed step
     alive: bool
     silent_s: float
-    progress: tuple = ()      # (step, duration_s, loss, wall time) committed since the last beat
+    progress: tuple = ()      # StepRecord fields of each step committed since the last beat
 
 
 @dataclass(frozen=True)
@@ -254,7 +254,7 @@ class Report:
 class Beat(Report):
     """Worker -> its agent only: liveness and the steps committed since the last beat."""
     committed: int | None
-    progress: tuple = ()      # of StepRecord fields, one tuple per committed step
+    progress: tuple = ()      # as WorkerInfo.progress
 
     KIND: ClassVar[str] = "hb"
 

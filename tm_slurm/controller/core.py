@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable
@@ -23,8 +24,8 @@ from ..control import mpi as mpictl
 from ..events import EventLog
 from ..exits import Exit
 from ..messages import (Aborted, AgentBye, CheckpointDone, CommError, Crashed, Exiting, Fence, Finished,
-                        GroupBuild, Heartbeat, Hello, Joined, Launch, Left, Ping, Recovered, RecoveryTimeout, Report,
-                        Shutdown, StandbyReady, Started, Stopped, SwapPlan, Switched, WorkerExited,
+                        GroupBuild, Heartbeat, Hello, Joined, Launch, Left, Ping, Recovered, RecoveryTimeout,
+                        Report, Shutdown, StandbyReady, Started, Stopped, SwapPlan, Switched, WorkerExited,
                         WorkerReport, WorkerSuspect)
 from ..planner import initial_builds, plan_planned
 from ..roles import JobState, JobStatus, NodeTable, Role
@@ -186,7 +187,6 @@ class Controller:
         return (found[0], str(found[1])) if found else None
 
     def reshape(self, layout: cfgmod.Layout) -> None:
-        from dataclasses import replace
         self.cfg = replace(self.cfg, layout=layout)
         self.topo = Topology(layout)
         self.progress.clear()          # its records are keyed by the old rank numbers
@@ -442,13 +442,9 @@ class Controller:
                 return
         if f.aborted is None:
             return
-        if self.cfg.recovery.strategy == "restart":
-            ep = FullRestart.after_failure(self, f)
-        else:
-            ep = Recovery(self, *f.aborted, f.t)
+        ep = (FullRestart if self.cfg.recovery.strategy == "restart" else Recovery).after_failure(self, f)
         if ep is not None:
             self.start(ep)
-            ep.on_node_failed(f)
 
     def abort_in_flight(self, why: str) -> tuple[int, int]:
         """Abort whatever step the ranks are in (see vote.abort_in_flight for the range)."""

@@ -69,6 +69,13 @@ class Recovery(Episode):
         self.fallback: str | None = None
         self.plans_tried = 0
 
+    @classmethod
+    def after_failure(cls, port, f: Failure) -> "Recovery":
+        """A failure with no recovery in flight: recover the step it aborted."""
+        ep = cls(port, *f.aborted, f.t)
+        ep.failed[f.node] = f.info
+        return ep
+
     def start(self) -> None:
         if self.port.job.state != JobState.RECOVERING:
             self.port.job.set(JobState.RECOVERING, step=self.step)

@@ -126,9 +126,12 @@ class FullRestart(Episode):
             return False
         p = self.port
         if self.shrink is not None:
-            p.log.emit("shrink_failed", node=f.node, step=f.aborted[1], why=f"{f.node} failed during the shrink")
+            p.log.emit("shrink_failed", node=f.node, step=f.aborted[1],
+                       why=f"{f.node} failed during the shrink")
             p.stop(f"{f.node} failed during a shrink ({f.how})", JobState.REQUEUED, code=p.requeue_code)
             return True
+        if any(m.leaver == f.node for m in self.moves):
+            return True                  # its slot is being handed over already
         moves = _replacement(p, f, taken=[m.joiner for m in self.moves])
         for m in moves or ():
             p.nodes.set_role(m.joiner, Role.JOINING, reason=f.how, slot=m.slot)
@@ -172,7 +175,8 @@ class FullRestart(Episode):
                 self.relaunch()
             elif self._all_exited() and now - self.t0 > p.T.shutdown_s:
                 # every worker is gone, its shard never came (a writer died writing it)
-                p.log.emit("restart_failed", step=self.exit_step, why="the checkpoint to restart from is incomplete")
+                p.log.emit("restart_failed", step=self.exit_step,
+                           why="the checkpoint to restart from is incomplete")
                 p.stop("restart checkpoint incomplete", JobState.REQUEUED, code=p.requeue_code)
         elif self.state == S.STOPPING and (self._all_exited() or now - self.t0 > p.T.shutdown_s):
             found = p.latest_checkpoint()
@@ -209,8 +213,8 @@ class FullRestart(Episode):
                "stall_s": None}
         if self.shrink is not None:
             rec.update(strategy="shrink", fallback="shrink", dp_from=self.dp_from, dp_to=p.cfg.layout.dp)
-        p.log.emit("shrink_complete" if self.shrink else "restart_complete", node=rec["node"], step=self.from_step,
-              **{k: v for k, v in rec.items() if k not in ("node", "kind")})
+        p.log.emit("shrink_complete" if self.shrink else "restart_complete", node=rec["node"],
+                   step=self.from_step, **{k: v for k, v in rec.items() if k not in ("node", "kind")})
         p.record_interruption(rec)
         self.to(S.DONE)
 
