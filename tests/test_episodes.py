@@ -626,7 +626,7 @@ def restart_cfg() -> Config:
 
 def test_planned_restart_checkpoints_then_relaunches_everyone():
     port = FakePort(restart_cfg())
-    ep = FullRestart.planned(port, Move(1, "n1", "s0"), "maintenance", 990.0)
+    ep = FullRestart.planned(port, Move(1, "n1", "s0"), "maintenance")
     port.start(ep)
     assert ep.state == XS.CHECKPOINTING and port.store.check([votes.pending_key(0)])
     ep.on_report("n0", r(Exiting, 0, 9, reason="restart"))
@@ -648,7 +648,7 @@ def test_planned_restart_checkpoints_then_relaunches_everyone():
 
 def test_planned_restart_leaver_failing_is_not_replaced_twice():
     port = FakePort(restart_cfg())
-    ep = FullRestart.planned(port, Move(1, "n1", "s0"), "maintenance", 990.0)
+    ep = FullRestart.planned(port, Move(1, "n1", "s0"), "maintenance")
     port.start(ep)
     assert ep.on_node_failed(port.down("n1"))
     assert ep.moves == [Move(1, "n1", "s0")] and port.nodes.nodes["s1"].role == Role.STANDBY
@@ -682,7 +682,7 @@ def test_shrink_renumbers_the_survivors():
     assert sp == ShrinkPlan(layout=Layout(dp=1, pp=2), dropped=(1,), slots={0: 0, 2: 1}, freed=(1,))
     port.down("n3")
     port.job.set(JobState.RECOVERING)             # a recovery found no standby
-    ep = FullRestart.shrinking(port, sp, "n3: test", 1000.0, 0, 5, [0, 2])
+    ep = FullRestart.shrinking(port, sp, "n3: test", 0, 5, [0, 2])
     port.start(ep)
     port.checkpoints.add(5)
     port.exited |= {(n, 0) for n in ACTIVE}
@@ -836,6 +836,14 @@ def test_controller_restarts_everything_after_a_failure_with_the_restart_strateg
     assert isinstance(restart, FullRestart) and restart.moves == [Move(2, "n2", "s0")]
     ctl.fail("n0", "test")
     assert ctl.live() == [restart] and restart.moves == [Move(2, "n2", "s0"), Move(0, "n0", "s1")]
+
+
+def test_controller_with_the_restart_strategy_collects_no_aborts(ctl):
+    ctl.cfg = restart_cfg()
+    ctl._report("n0", 0, Aborted(0, 0, 5, broken=[], why="x", t=1.0))    # before the failure is seen
+    assert ctl.live() == []
+    ctl.fail("n2", "test")
+    assert [type(e) for e in ctl.live()] == [FullRestart]
 
 
 def test_controller_starts_collecting_on_a_rank_abort_and_ignores_stale_gens(ctl):

@@ -287,10 +287,11 @@ class Controller:
             handler(self, node, local, rep)
         for ep in list(self.live()):
             ep.on_report(node, rep)
-        if isinstance(rep, Aborted) and not any(isinstance(e, (Recovery, FullRestart, Ending))
-                                                for e in self.live()):
+        if (isinstance(rep, Aborted) and self.cfg.recovery.strategy != "restart"
+                and not any(isinstance(e, (Recovery, FullRestart, Ending)) for e in self.live())):
             # a rank aborted a step on its own (it saw a collective fail); who failed is decided
-            # by the detectors below, but the recovery starts collecting now
+            # by the detectors below, but the recovery starts collecting now (a restart needs
+            # nothing collected: it stops every worker)
             rec = Recovery(self, rep.gen, rep.step, rep.t)
             self.start(rec)
             rec.on_report(node, rep)
@@ -382,7 +383,7 @@ class Controller:
             elif isinstance(d, Migrate):
                 req = d.request
                 if self.cfg.recovery.strategy == "restart":
-                    self.start(FullRestart.planned(self, d.move, req.reason or "drain", req.t))
+                    self.start(FullRestart.planned(self, d.move, req.reason or "drain"))
                 else:
                     plan = plan_planned(self.topo, self.next_plan_id(), self.gen, self.new_gen(), [d.move],
                                         reason=req.reason or req.verb)

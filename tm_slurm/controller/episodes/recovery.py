@@ -277,8 +277,7 @@ class Recovery(Episode):
         """No standby: go on without the DP replicas that lost a node (see restart.py)."""
         why = ", ".join(f"{n}: {i['how']}" for n, i in self.failed.items())
         self.to(S.SHRUNK)
-        self.port.start(FullRestart.shrinking(self.port, sp, why, self.t_fail_wall, self.gen, self.step,
-                                              self._writers()[0]))
+        self.port.start(FullRestart.shrinking(self.port, sp, why, self.gen, self.step, self._writers()[0]))
 
     def checkpoint_exit(self, why: str) -> None:
         """Nothing can take the lost slots: the survivors write the last committed state (one live

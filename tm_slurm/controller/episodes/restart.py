@@ -45,12 +45,11 @@ TRANSITIONS = {
 class FullRestart(Episode):
     State, TRANSITIONS, FINAL = State, TRANSITIONS, frozenset({S.DONE})
 
-    def __init__(self, port, kind: str, moves: list[Move], reason: str, t_event: float):
+    def __init__(self, port, kind: str, moves: list[Move], reason: str):
         super().__init__(port, S.NEW)
         self.kind, self.moves, self.reason = kind, list(moves), reason
         self.shrink: ShrinkPlan | None = None
         self.dp_from = port.cfg.layout.dp
-        self.t_event = t_event
         self.t0 = port.now()
         self.from_step: int | None = None
         self.aborted_step: int | None = None
@@ -60,8 +59,8 @@ class FullRestart(Episode):
         self.gen_aborted: int | None = None
 
     @classmethod
-    def planned(cls, port, move: Move, reason: str, t_event: float) -> "FullRestart":
-        return cls(port, "planned", [move], reason, t_event)
+    def planned(cls, port, move: Move, reason: str) -> "FullRestart":
+        return cls(port, "planned", [move], reason)
 
     @classmethod
     def after_failure(cls, port, f: Failure) -> "FullRestart | None":
@@ -70,15 +69,14 @@ class FullRestart(Episode):
         moves = _replacement(port, f, taken=[])
         if moves is None:
             return None
-        ep = cls(port, "unplanned", moves, f.how, f.t)
+        ep = cls(port, "unplanned", moves, f.how)
         ep.aborted_step = f.aborted[1]
         return ep
 
     @classmethod
-    def shrinking(cls, port, sp: ShrinkPlan, reason: str, t_event: float, gen: int, step: int,
-                  writers: list[int]) -> "FullRestart":
+    def shrinking(cls, port, sp: ShrinkPlan, reason: str, gen: int, step: int, writers: list[int]) -> "FullRestart":
         """The ranks are aborted at `step` of `gen` (a recovery was collecting): checkpoint its start."""
-        ep = cls(port, "unplanned", [], reason, t_event)
+        ep = cls(port, "unplanned", [], reason)
         ep.shrink, ep.writers = sp, writers
         ep.gen_aborted, ep.aborted_step = gen, step
         return ep
