@@ -23,10 +23,8 @@ from ..comm import vote as votes
 from ..control import mpi as mpictl
 from ..events import EventLog
 from ..exits import Exit
-from ..messages import (Aborted, AgentBye, CheckpointDone, CommError, Crashed, Exiting, Fence, Finished,
-                        GroupBuild, Heartbeat, Hello, Joined, Launch, Left, Ping, Recovered, RecoveryTimeout,
-                        Report, Shutdown, StandbyReady, Started, Stopped, SwapPlan, Switched, WorkerExited,
-                        WorkerReport, WorkerSuspect)
+from ..messages import (Aborted, AgentBye, Fence, GroupBuild, Heartbeat, Hello, Launch, Ping, Report, Shutdown,
+                        SwapPlan, WorkerExited, WorkerReport, WorkerSuspect)
 from ..planner import initial_builds, plan_planned
 from ..roles import JobState, JobStatus, NodeTable, Role
 from ..topology import Topology
@@ -41,6 +39,7 @@ from .intake import Decision, Fail, Intake, Migrate, ReleaseStandby, Stop, TakeC
 from .pool import Pool
 from .progress import Progress
 from .records import Records
+from .reports import ON_REPORT
 from .requests import Inbox as RequestInbox, Request, slurm_user_uid
 
 
@@ -282,7 +281,7 @@ class Controller:
             self._agent_gone(node, m.reason)
 
     def _report(self, node: str, local: int, rep: Report) -> None:
-        handler = _ON_REPORT.get(type(rep))
+        handler = ON_REPORT.get(type(rep))
         if handler is not None:
             handler(self, node, local, rep)
         for ep in list(self.live()):
@@ -295,45 +294,6 @@ class Controller:
             rec = Recovery(self, rep.gen, rep.step, rep.t)
             self.start(rec)
             rec.on_report(node, rep)
-
-    def _on_started(self, node: str, local: int, rep: Started) -> None:
-        self.started.add(rep.rank)
-        self.total_steps = rep.steps or self.total_steps
-        if self.job.state == JobState.STARTING and len(self.started) == self.topo.world:
-            self.job.set(JobState.RUNNING, since_start_s=round(time.monotonic() - self.t_start, 3))
-        if all(r in self.started for r in self.topo.slot_ranks(self.nodes.nodes[node].slot)):
-            self.nodes.set_ready(node)
-
-    def _on_standby_ready(self, node: str, local: int, rep: StandbyReady) -> None:
-        up = self.standby_up.setdefault(node, set())
-        up.add(local)
-        if len(up) == self.cfg.layout.ranks_per_node and self.nodes.nodes[node].role == Role.STANDBY:
-            self.nodes.set_ready(node, warm=bool(rep.warm), sandbox=rep.sandbox)
-
-    def _on_comm_error(self, node: str, local: int, rep: CommError) -> None:
-        self.log.emit("comm_error", node=node, rank=rep.rank, step=rep.step, group=rep.group, error=rep.error)
-
-    def _on_checkpoint(self, node: str, local: int, rep: CheckpointDone) -> None:
-        if rep.path:
-            self.log.emit("checkpoint_saved", node=node, rank=rep.rank, step=rep.step, reason=rep.reason,
-                          save_s=round(rep.save_s, 4))
-        self.records.checkpoint_written(rep.step)
-
-    def _on_finished(self, node: str, local: int, rep: Finished) -> None:
-        self.finished[rep.rank] = rep.digest
-        if len(self.finished) == self.topo.world:
-            self.stop("finished", JobState.FINISHED, code=Exit.OK)
-
-    def _on_crashed(self, node: str, local: int, rep: Crashed) -> None:
-        self.log.emit("worker_crashed", node=node, rank=rep.rank, error=rep.error[-1500:])
-
-    def _on_rank_change(self, node: str, local: int, rep: Report) -> None:
-        self.log.emit(f"rank_{rep.KIND}", node=node, rank=rep.rank, step=rep.step, **rep.data())
-
-    def _on_worker_news(self, node: str, local: int, rep: Report) -> None:
-        if isinstance(rep, Exiting) and self.find(FullRestart) is not None:
-            return                 # the restart's own checkpoint-and-exit: it reads the step
-        self.log.emit(f"worker_{rep.KIND}", node=node, rank=rep.rank, step=rep.step, **rep.data())
 
     def _worker_exited(self, m: WorkerExited) -> None:
         self.exited.add((m.node, m.local))
@@ -583,21 +543,3 @@ class Controller:
             self.launcher.requeue()
         except Exception as e:
             self.log.emit("requeue_failed", error=str(e)[:500])
-
-
-
-_ON_REPORT: dict[type, Callable] = {
-    Started: Controller._on_started,
-    StandbyReady: Controller._on_standby_ready,
-    CommError: Controller._on_comm_error,
-    CheckpointDone: Controller._on_checkpoint,
-    Finished: Controller._on_finished,
-    Crashed: Controller._on_crashed,
-    Switched: Controller._on_rank_change,
-    Recovered: Controller._on_rank_change,
-    Joined: Controller._on_rank_change,
-    Left: Controller._on_rank_change,
-    Exiting: Controller._on_worker_news,
-    Stopped: Controller._on_worker_news,
-    RecoveryTimeout: Controller._on_worker_news,
-}
