@@ -15,8 +15,8 @@ from tm_slurm.comm.sealed import SealedStore
 from tm_slurm.control import codec
 from tm_slurm.control.auth import MAC_BYTES, AuthError, Keys, Sealer, mac
 from tm_slurm.controller.admission import Admission
-from tm_slurm.messages import (Announce, Challenge, GroupBuild, Hello, Launch, Move, Report, SwapPlan,
-                               ToWorkers, Transfer, WorkerInfo, Heartbeat)
+from tm_slurm.messages import (Announce, Challenge, GroupBuild, Heartbeat, Hello, Launch, Move, StandbyReady,
+                               SwapPlan, ToWorkers, Transfer, WorkerInfo, WorkerReport)
 
 KEYS = Keys.derive(b"k" * 32)
 
@@ -30,8 +30,8 @@ def test_codec_round_trips_every_shape_the_control_plane_sends():
     launch = Launch("j", 0, "ACTIVE", 1, (2, 3), 1, ("python", "x.py"), "/w", (("A", "1"),),
                     cfgmod.to_dict(cfgmod.Config()), ("127.0.0.1", 29500), (GroupBuild("a", (0, 1), "p"),))
     hb = Heartbeat("node1", 7, 1.5, (WorkerInfo(0, 11, 2, 5, 4, True, 0.01, ((4, 0.05, 0.1, float("nan"), 1e9),)),))
-    rep = Report("started", 2, 3, 9, {"steps": 10, "per": {1: (2, 3)}, "none": None, "list": [1, "a"]})
-    for msg in (launch, hb, rep, ToWorkers(_plan()), Challenge("n"), Announce("node1", 5)):
+    rep = StandbyReady(2, None, None, warm=True, sandbox={"roles": ["first", "last"], "per": {1: (2, 3)}, "none": None})
+    for msg in (launch, hb, WorkerReport("node1", 0, rep), ToWorkers(_plan()), Challenge("n"), Announce("node1", 5)):
         back = codec.loads(codec.dumps(msg))
         assert type(back) is type(msg)
         assert repr(back) == repr(msg)          # nan != nan: compare the printed form
@@ -54,7 +54,7 @@ def test_codec_builds_only_known_messages(raw, why):
 
 def test_codec_refuses_to_send_what_it_could_not_rebuild():
     with pytest.raises(TypeError):
-        codec.dumps(Report("x", 0, 0, 0, {"s": {1, 2}}))
+        codec.dumps(StandbyReady(0, 0, 0, warm=True, sandbox={"s": {1, 2}}))
 
 
 def test_a_frame_opens_only_with_the_secret_for_the_expected_sender_once():

@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import jobdir as paths
+from . import logs
 from .control import auth
 from .control import mpi as mpictl
 from .control.wire import Wire
 from .events import fsync_write
-from .messages import (AgentBye, Announce, Assign, Challenge, Checkpoint, Fence, Heartbeat, Hello,
-                       Launch, Ping, Report, Shutdown, Signalled, Stop, ToWorkers, WorkerExited,
+from .exits import Exit
+from .messages import (Aborted, AgentBye, Announce, Assign, Beat, Challenge, Checkpoint, Fence, Heartbeat,
+                       Hello, Launch, Ping, Report, Shutdown, Signalled, Stop, ToWorkers, WorkerExited,
                        WorkerInfo, WorkerReport, WorkerSuspect)
-
-EXIT_CONTROLLER_LOST = 75      # EX_TEMPFAIL: the job should be requeued
 
 
 @dataclass
@@ -51,6 +51,7 @@ class Agent:
         self.secret = secret
         self.keys = auth.Keys.derive(secret)
         self.job = os.environ.get("TM_SLURM_JOB_ID") or self.job_dir.name
+        self.logger = logs.get("agent", job=self.job, node=node)
         self.hb_interval = hb_interval
         self.admit_timeout = admit_timeout
         self.controller_timeout = controller_timeout
@@ -155,12 +156,12 @@ class Agent:
         w.suspect = False
         if msg.rank is not None:
             w.rank = msg.rank
-        if msg.kind == "hb":
+        if isinstance(msg, Beat):
             w.step = msg.step
-            w.committed = msg.data.get("committed")
-            w.progress.extend(msg.data.get("progress", ()))
+            w.committed = msg.committed
+            w.progress.extend(msg.progress)
             return
-        if msg.step is not None and msg.kind not in ("aborted",):
+        if msg.step is not None and not isinstance(msg, Aborted):
             w.step = msg.step
         self.busy_until = time.monotonic() + mpictl.BUSY_FOR_S
         ch.send(WorkerReport(self.node, w.local, msg))
@@ -174,8 +175,8 @@ class Agent:
             w.wire.close()
         if w.wire.refused and not w.refused_told:
             w.refused_told = True      # once per peer: a flood is one line
-            print(f"agent {self.node}: auth_refused: {w.wire.refused} frame(s) from worker {w.local} "
-                  "failed their check and were dropped", file=sys.stderr, flush=True)
+            self.logger.warning("auth_refused: %d frame(s) from worker %d failed their check and were "
+                                "dropped", w.wire.refused, w.local)
 
     def _reap(self, ch) -> None:
         for w in self.workers.values():
@@ -216,7 +217,7 @@ class Agent:
         while True:
             t = time.monotonic()
             if t - last > 0.5:
-                print(f"agent {self.node}: main loop stalled {t - last:.2f}s", file=sys.stderr, flush=True)
+                self.logger.warning("main loop stalled %.2fs", t - last)
             last = t
             for m in ch.poll():
                 self.last_ctl = time.monotonic()
@@ -277,8 +278,8 @@ class Agent:
         a headless job holding the allocation. The survivor agent with the lowest node name
         requeues it once every survivor is done."""
         ch.abandon()
-        print(f"agent {self.node}: controller silent for {self.controller_timeout}s; "
-              "checkpointing and ending the job", file=sys.stderr, flush=True)
+        self.logger.warning("controller silent for %ss; checkpointing and ending the job",
+                            self.controller_timeout)
         d = paths.control_dir(self.job_dir) / "lost"
         paths.private_dir(d)
         (d / f"agent-{self.node}.alive").write_text(str(os.getpid()))
@@ -295,7 +296,7 @@ class Agent:
             while time.monotonic() < end and not all((d / f"agent-{n}.done").exists() for n in alive):
                 time.sleep(0.1)
             self._end_job()
-        return EXIT_CONTROLLER_LOST
+        return Exit.REQUEUE
 
     def _end_job(self) -> None:
         job = os.environ.get("SLURM_JOB_ID")
@@ -306,8 +307,7 @@ class Agent:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
         if r.returncode != 0 and requeue:
             subprocess.run(["scancel", job], capture_output=True, timeout=30)
-        print(f"agent {self.node}: {' '.join(cmd)} -> {r.returncode} {r.stderr.strip()}",
-              file=sys.stderr, flush=True)
+        self.logger.warning("%s -> %s %s", " ".join(cmd), r.returncode, r.stderr.strip())
 
     def _flush(self, ch, timeout: float = 2.0) -> None:
         end = time.monotonic() + timeout
@@ -329,6 +329,7 @@ def main(job_dir: str, node: str, hb_interval: float, admit_timeout: float,
          controller_timeout: float) -> int:
     if not mpictl.under_mpiexec():
         mpictl.reexec_under_mpiexec()
+    logs.setup()
     os.umask(0o077)            # what the agent writes is the job's alone; workers get the user's
     agent = Agent(Path(job_dir), node, hb_interval, admit_timeout, controller_timeout,
                   auth.take_secret_from_env())
@@ -336,9 +337,9 @@ def main(job_dir: str, node: str, hb_interval: float, admit_timeout: float,
     try:
         rc = agent.run()
     except SystemExit as e:
-        print(e, file=sys.stderr, flush=True)
+        agent.logger.error("%s", e)
         agent.kill_workers()
-        rc = 2
+        rc = Exit.USAGE
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from . import config as cfgmod
+from .exits import Exit
 
 JOBS_ROOT = "tm_slurm_jobs"
 # c10d's C++ warnings (a store client's hostname, wait timeouts) are noise in every process
@@ -72,10 +73,10 @@ def cmd_run(args) -> int:
         spec = jobmod.resolve(cfg, args)
     except cfgmod.ConfigError as e:
         print(f"tm-slurm run: configuration error: {e}", file=sys.stderr)
-        return 2
+        return Exit.USAGE
     except jobmod.LaunchError as e:
         print(f"tm-slurm run: {e}", file=sys.stderr)
-        return 2
+        return Exit.USAGE
     return jobmod.run(cfg, spec)
 
 

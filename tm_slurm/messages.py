@@ -8,8 +8,8 @@ No torch here: agents never import it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
 
 
 # ---------------------------------------------------------------- plans
@@ -143,7 +143,7 @@ class WorkerInfo:
     committed: int | None     # last committed step
     alive: bool
     silent_s: float
-    progress: tuple = ()      # (step, duration_s, loss, wall time) committed since the last beat
+    progress: tuple = ()      # StepRecord fields of each step committed since the last beat
 
 
 @dataclass(frozen=True)
@@ -194,16 +194,6 @@ class AgentBye:
 
 
 # ---------------------------------------------------------------- worker <-> agent
-
-@dataclass(frozen=True)
-class Report:
-    """Anything a worker tells the controller: kind + step + free-form data (JSON-able)."""
-    kind: str
-    gen: int
-    rank: int | None
-    step: int | None = None
-    data: dict = field(default_factory=dict)
-
 
 @dataclass(frozen=True)
 class Assign:
@@ -280,3 +270,211 @@ class LostState:
     committed: int | None
     pending: int | None
     shard: str
+
+
+# ---------------------------------------------------------------- worker -> controller: reports
+# One class per kind. `KIND` names the kind in the event log (`rank_<kind>`, `worker_<kind>`).
+# A field defaulting to None is an optional part: left out of `data()` when absent, as the
+# worker leaves it out when it has nothing to say (a joiner loading a checkpoint moved no state).
+
+@dataclass(frozen=True)
+class Report:
+    gen: int
+    rank: int | None
+    step: int | None
+
+    KIND: ClassVar[str] = ""
+
+    def data(self) -> dict:
+        """The kind's own fields (not gen, rank, step), as the event log records them."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name not in ("gen", "rank", "step") and not (v is None and f.default is None):
+                out[f.name] = v
+        return out
+
+
+@dataclass(frozen=True)
+class Beat(Report):
+    """Worker -> its agent only: liveness and the steps committed since the last beat."""
+    committed: int | None
+    progress: tuple = ()      # as WorkerInfo.progress
+
+    KIND: ClassVar[str] = "hb"
+
+
+@dataclass(frozen=True)
+class Started(Report):
+    build_s: float
+    state_bytes: int
+    steps: int | None
+
+    KIND: ClassVar[str] = "started"
+
+
+@dataclass(frozen=True)
+class StandbyReady(Report):
+    warm: bool
+    sandbox: dict | None = None   # what the rehearsal warmed (roles, timings), first time only
+
+    KIND: ClassVar[str] = "standby_ready"
+
+
+@dataclass(frozen=True)
+class CommError(Report):
+    group: str
+    error: str
+    t: float
+
+    KIND: ClassVar[str] = "comm_error"
+
+
+@dataclass(frozen=True)
+class CheckpointDone(Report):
+    reason: str | None
+    path: str | None          # None: this rank wrote no shard (not a writer)
+    save_s: float
+
+    KIND: ClassVar[str] = "checkpoint"
+
+
+@dataclass(frozen=True)
+class Finished(Report):
+    digest: str
+
+    KIND: ClassVar[str] = "finished"
+
+
+@dataclass(frozen=True)
+class Crashed(Report):
+    error: str
+
+    KIND: ClassVar[str] = "crashed"
+
+
+@dataclass(frozen=True)
+class Ready(Report):
+    """Phase 1 done on this rank: its part of the plan is built."""
+    plan: int
+    build_s: float
+    groups: list
+    build_model_s: float | None = None     # a joiner built its model too
+
+    KIND: ClassVar[str] = "ready"
+
+
+@dataclass(frozen=True)
+class PrepareFailed(Report):
+    plan: int
+    error: str
+
+    KIND: ClassVar[str] = "prepare_failed"
+
+
+@dataclass(frozen=True)
+class Switched(Report):
+    plan: int
+    switch_s: float
+    rebuilt: list
+    identity: dict            # group id -> [object id before, after]
+
+    KIND: ClassVar[str] = "switched"
+
+
+@dataclass(frozen=True)
+class Left(Report):
+    plan: int
+    bytes: int
+    transfer_s: float
+    tensors: int
+
+    KIND: ClassVar[str] = "left"
+
+
+@dataclass(frozen=True)
+class Joined(Report):
+    plan: int
+    build_model_s: float
+    build_s: float
+    reused_sandbox: bool
+    wait_s: float
+    recv_s: float
+    bytes: int | None = None          # the state received from the leaver or a donor
+    transfer_s: float | None = None
+    tensors: int | None = None
+
+    KIND: ClassVar[str] = "joined"
+
+
+@dataclass(frozen=True)
+class Aborted(Report):
+    broken: list
+    why: str
+    t: float
+
+    KIND: ClassVar[str] = "aborted"
+
+
+@dataclass(frozen=True)
+class RecoverBuilt(Report):
+    plan: int
+    build_s: float
+    groups: list
+    build_model_s: float | None = None
+
+    KIND: ClassVar[str] = "recover_built"
+
+
+@dataclass(frozen=True)
+class RecoverFailed(Report):
+    plan: int
+    error: str
+
+    KIND: ClassVar[str] = "recover_failed"
+
+
+@dataclass(frozen=True)
+class Recovered(Report):
+    plan: int
+    resume_s: float
+    donor: bool
+    bytes: int | None = None          # a donor: the state it sent
+    transfer_s: float | None = None
+    tensors: int | None = None
+
+    KIND: ClassVar[str] = "recovered"
+
+
+@dataclass(frozen=True)
+class RecoveryTimeout(Report):
+    KIND: ClassVar[str] = "recovery_timeout"
+
+
+@dataclass(frozen=True)
+class Exiting(Report):
+    reason: str | None
+
+    KIND: ClassVar[str] = "exiting"
+
+
+@dataclass(frozen=True)
+class Stopped(Report):
+    reason: str | None
+
+    KIND: ClassVar[str] = "stopped"
+
+
+@dataclass(frozen=True)
+class StoreLost(Report):
+    error: str
+
+    KIND: ClassVar[str] = "store_lost"
+
+
+REPORT_KINDS: dict[str, type[Report]] = {c.KIND: c for c in Report.__subclasses__()}
+
+
+def report(kind: str, gen: int, rank: int | None, step: int | None = None, **data) -> Report:
+    """The worker's one way to build a report: by kind name, with that kind's fields."""
+    return REPORT_KINDS[kind](gen, rank, step, **data)

@@ -8,7 +8,7 @@ import time
 
 from .. import config as cfgmod
 from ..control.auth import Keys, Sealer, mac
-from ..messages import GroupBuild, Heartbeat, Launch, Ping, Report, WorkerInfo, WorkerReport
+from ..messages import GroupBuild, Heartbeat, Launch, Ping, Switched, WorkerInfo, WorkerReport
 
 
 def _samples() -> dict[str, object]:
@@ -16,7 +16,8 @@ def _samples() -> dict[str, object]:
     return {
         "ping": Ping(7, 1.8e9),
         "heartbeat (1 worker, 5 steps)": Heartbeat("node1", 9, 1.8e9, (WorkerInfo(0, 1234, 3, 41, 40, True, 0.01, progress),)),
-        "report": WorkerReport("node1", 0, Report("rank_switched", 2, 3, 41, {"plan": 1, "switch_s": 0.0004})),
+        "report": WorkerReport("node1", 0, Switched(2, 3, 41, plan=1, switch_s=0.0004, rebuilt=["dp0"],
+                                                        identity={"dp0": [1, 2]})),
         "launch (config, 16 groups)": Launch("job", 0, "ACTIVE", 1, (2, 3), 1, ("python", "train.py"), "/w", (),
                                              cfgmod.to_dict(cfgmod.Config()), ("10.0.0.1", 29500),
                                              tuple(GroupBuild(f"g{i}", (i, i + 1), f"g0/g{i}") for i in range(16))),

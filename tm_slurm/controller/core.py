@@ -1,14 +1,17 @@
 """The controller's main loop: admit agents, relay plans, watch liveness, and act on events.
 
-It is the only process that decides: which node failed, which standby replaces it, when a swap
-switches, when the job ends. Decisions come from `planner` (pure); this module executes them and
-records every state change in the event log.
+It is the only process that decides: which node failed, which standby replaces it, when the job
+ends. Membership changes are episodes (`episodes/`), started here from intake's decisions and
+from failures, driven by this loop, and reaching the controller only through `port.Port`, which
+this class implements. Every state change is recorded in the event log.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable
@@ -22,23 +25,26 @@ from ..comm.sealed import SealedStore
 from ..control import auth
 from ..control import mpi as mpictl
 from ..events import EventLog
-from ..messages import (AgentBye, Fence, Heartbeat, Hello, Launch, Move, Ping, Shutdown, SwapPlan,
-                        WorkerExited, WorkerReport, WorkerSuspect)
-from ..planner import choose_joiner, initial_builds
+from ..exits import Exit
+from ..messages import (Aborted, AgentBye, Fence, GroupBuild, Heartbeat, Hello, Launch, Ping, Report, Shutdown,
+                        Signalled, SwapPlan, WorkerExited, WorkerReport, WorkerSuspect)
+from ..planner import initial_builds, plan_planned
 from ..roles import JobState, JobStatus, NodeTable, Role
 from ..topology import Topology
+from ..worker import checkpoint as ckpt
 from .admission import Admission
-from .progress import Progress
-from .intake import Intake
-from .ending import Ending
+from .episodes.base import Episode, Failure
+from .episodes.ending import Ending
+from .episodes.recovery import Recovery
+from .episodes.restart import FullRestart
+from .episodes.swap import PlannedSwap
+from .holders import Holders
+from .intake import Decision, Fail, Intake, Migrate, ReleaseStandby, Stop, TakeCheckpoint
 from .pool import Pool
+from .progress import Progress
 from .records import Records
-from .recovery import Recovery
-from .restart import FullRestart
+from .reports import ON_REPORT
 from .requests import Inbox as RequestInbox, Request, slurm_user_uid
-from .swap import PlannedSwap
-
-REQUEUE_EXIT = 75   # EX_TEMPFAIL: checkpointed, run me again
 
 
 class Controller:
@@ -61,13 +67,11 @@ class Controller:
         self.nodes = NodeTable(self.log)
         self.job = JobStatus(self.log)
         n_active = len(nodes) - standbys
-        self.holder: dict[int, str] = {}
         for i, n in enumerate(nodes[:n_active]):
             self.nodes.add(n, Role.ACTIVE, slot=i)
-            for r in self.topo.slot_ranks(i):
-                self.holder[r] = n
         for n in nodes[n_active:]:
             self.nodes.add(n, Role.STANDBY)
+        self.holders = Holders(self.topo, dict(enumerate(nodes[:n_active])))
         self.gen = 0
         self._gen_seq = 0
         self.plan_seq = 0
@@ -80,32 +84,64 @@ class Controller:
         self.progress = Progress()
         self.finished: dict[int, str] = {}
         self.exited: set[tuple[str, int]] = set()
-        self.swap: PlannedSwap | None = None
-        self.recovery: Recovery | None = None
-        self.restart: FullRestart | None = None
+        self.episodes: list[Episode] = []        # in the order they started
         self.interruptions: list[dict] = []
         self.checkpoints_done: set[int] = set()
         self.resume_checkpoint = resume_checkpoint
         self.start_step = 0
         self.total_steps: int | None = None
-        self.requeue_code = REQUEUE_EXIT
-        self.ending: Ending | None = None
+        self.requeue_code = int(Exit.REQUEUE)
         self.exit_code: int | None = None
         self._agents_gone: set[str] = set()
         allowed = {os.getuid(), 0} | ({u} if (u := slurm_user_uid()) is not None else set())
         self.requests = RequestInbox(self.job_dir, allowed)
         self.records = Records(self)
         self.time_limit_signal = False
-        self.intake = Intake(self)
+        self.signals: list[int] = []     # received, not yet acted on (a node's SIGTERM too: Signalled)
+        self.intake = Intake(self.log.emit)
         self.pool = Pool(self)
 
-    # ------------------------------------------------------------ helpers used by swap/recovery
+    # ------------------------------------------------------------ episodes
+    def live(self) -> list[Episode]:
+        self.episodes = [e for e in self.episodes if not e.done]
+        return self.episodes
+
+    def find(self, kind: type) -> Episode | None:
+        return next((e for e in self.live() if isinstance(e, kind)), None)
+
+    @property
+    def ending(self) -> Ending | None:
+        return self.find(Ending)
+
+    def start(self, episode: Episode) -> None:
+        self.episodes.append(episode)
+        episode.start()
+
+    def busy(self) -> bool:
+        return bool(self.live())
+
+    # ------------------------------------------------------------ the port (see port.py)
+    def now(self) -> float:
+        return time.monotonic()
+
+    def wall(self) -> float:
+        return time.time()
+
     def new_gen(self) -> int:
         self._gen_seq += 1
         return self._gen_seq
 
+    def enter_gen(self, gen: int) -> None:
+        self.gen = self.log.gen = gen
+        for ch in self.channels.values():
+            ch.sealer.gen = gen
+
+    def next_plan_id(self) -> int:
+        self.plan_seq += 1
+        return self.plan_seq
+
     def committed_step(self) -> int | None:
-        return self.progress.min_committed(self.holder)
+        return self.progress.min_committed(self.holders.ranks)
 
     def send(self, node: str, msg) -> None:
         ch = self.channels.get(node)
@@ -116,19 +152,66 @@ class Controller:
         for n in list(self.channels):
             self.send(n, msg)
 
-    def adopt(self, plan: SwapPlan) -> None:
-        """A plan took effect: new generation, new slot holders, new group instances."""
-        self.gen = plan.gen_to
-        self.log.gen = plan.gen_to
-        for ch in self.channels.values():
-            ch.sealer.gen = plan.gen_to
-        since = (self.committed_step() or 0) + 1
+    def adopt(self, plan: SwapPlan, since: int) -> None:
+        """A plan took effect: new generation, new slot holders (from step `since`), new group instances."""
+        self.enter_gen(plan.gen_to)
         for m in plan.moves:
-            self.pool.holder_since[m.joiner] = since
-            for r in self.topo.slot_ranks(m.slot):
-                self.holder[r] = m.joiner
+            self.holders.hold(m.slot, m.joiner, since)
         for b in plan.builds:
             self.groups[b.id] = b
+
+    def request_drain(self, node: str, request: Request) -> None:
+        self.intake.want_drain(node, request)
+
+    def record_interruption(self, rec: dict) -> None:
+        self.interruptions.append(rec)
+
+    def worker_locals(self, node: str) -> list[int]:
+        return list(self.workers.get(node, {}))
+
+    def has_exited(self, node: str, local: int) -> bool:
+        return (node, local) in self.exited
+
+    def all_started(self) -> bool:
+        return all(r in self.started for r in range(self.topo.world))
+
+    def agents_alive(self) -> list[str]:
+        return [n for n in self.channels if n not in self._agents_gone]
+
+    def set_exit_code(self, code: int) -> None:
+        self.exit_code = code
+
+    def checkpoint_done(self, step: int) -> bool:
+        return step in self.checkpoints_done
+
+    def checkpoint_path(self, step: int) -> str:
+        return str(ckpt.step_dir(ckpt.root(self.cfg, self.job_dir), step))
+
+    def latest_checkpoint(self) -> tuple[int, str] | None:
+        found, rejected = ckpt.latest_valid(ckpt.root(self.cfg, self.job_dir), self.topo)
+        for s, why in rejected:
+            self.log.emit("checkpoint_rejected", step=s, why=why)
+        return (found[0], str(found[1])) if found else None
+
+    def reshape(self, layout: cfgmod.Layout) -> None:
+        self.cfg = replace(self.cfg, layout=layout)
+        self.topo = Topology(layout)
+        self.progress.clear()          # its records are keyed by the old rank numbers
+
+    def relaunch(self, node: str) -> None:
+        self.send(node, self._launch_msg(node))
+
+    def forget_warmup(self, node: str) -> None:
+        self.standby_up.pop(node, None)
+
+    def restart_workers(self, checkpoint: str | None, start_step: int) -> None:
+        """Every slot's node starts its workers anew, on fresh groups, from `checkpoint`."""
+        self.groups = {g.id: GroupBuild(g.id, g.members, f"r{self.gen}/{g.id}") for g in self.topo.groups}
+        self.resume_checkpoint, self.start_step = checkpoint, start_step
+        self.started.clear()
+        self.exited.clear()
+        for n in sorted(self.holders.nodes()):
+            self.relaunch(n)
 
     # ------------------------------------------------------------ setup
     def _open(self) -> None:
@@ -199,55 +282,31 @@ class Controller:
             self.fail(node, "worker_silent", rank=m.rank, silent_s=round(m.silent_s, 3))
         elif isinstance(m, AgentBye):
             self._agent_gone(node, m.reason)
+        elif isinstance(m, Signalled):
+            # Slurm signals the steps, not a controller on a login host: the job's time limit
+            self.log.emit("node_signalled", node=node, signal=m.signal)
+            self.signals.append(signal.Signals[m.signal] if m.signal in signal.Signals.__members__
+                                else signal.SIGTERM)
 
-    def _report(self, node: str, local: int, rep) -> None:
-        kind, rank, step, data = rep.kind, rep.rank, rep.step, rep.data
-        if kind == "started":
-            self.started.add(rank)
-            self.total_steps = data.get("steps") or self.total_steps
-            if self.job.state == JobState.STARTING and len(self.started) == self.topo.world:
-                self.job.set(JobState.RUNNING, since_start_s=round(time.monotonic() - self.t_start, 3))
-            if all(r in self.started for r in self.topo.slot_ranks(self.nodes.nodes[node].slot)):
-                self.nodes.set_ready(node)
-        elif kind == "standby_ready":
-            up = self.standby_up.setdefault(node, set())
-            up.add(local)
-            if len(up) == self.cfg.layout.ranks_per_node and self.nodes.nodes[node].role == Role.STANDBY:
-                self.nodes.set_ready(node, warm=bool(data.get("warm", False)), sandbox=data.get("sandbox"))
-        elif kind == "comm_error":
-            self.log.emit("comm_error", node=node, rank=rank, step=step, group=data.get("group"),
-                          error=data.get("error"))
-        elif kind == "checkpoint":
-            if data.get("path"):
-                self.log.emit("checkpoint_saved", node=node, rank=rank, step=step,
-                              reason=data.get("reason"), save_s=round(data.get("save_s", 0), 4))
-            self.records.checkpoint_written(step)
-        elif kind == "finished":
-            self.finished[rank] = data["digest"]
-            if len(self.finished) == self.topo.world:
-                self.stop("finished", JobState.FINISHED, code=0)
-        elif kind == "crashed":
-            self.log.emit("worker_crashed", node=node, rank=rank, error=data.get("error", "")[-1500:])
-        elif kind in ("switched", "recovered", "joined", "left"):
-            self.log.emit(f"rank_{kind}", node=node, rank=rank, step=step, **data)
-        elif kind == "exiting" and self.restart is not None:
-            self.restart.exit_step = step
-        elif kind in ("recovery_timeout", "exiting", "stopped"):
-            self.log.emit(f"worker_{kind}", node=node, rank=rank, step=step, **data)
-        if self.swap is not None:
-            self.swap.on_report(node, kind, rank, step, data)
-        if self.recovery is not None:
-            self.recovery.on_report(node, kind, rank, step, data, rep.gen)
-        if kind == "aborted" and self.recovery is None and self.restart is None and self.ending is None:
+    def _report(self, node: str, local: int, rep: Report) -> None:
+        handler = ON_REPORT.get(type(rep))
+        if handler is not None:
+            handler(self, node, local, rep)
+        for ep in list(self.live()):
+            ep.on_report(node, rep)
+        if (isinstance(rep, Aborted) and self.cfg.recovery.strategy != "restart"
+                and not any(isinstance(e, (Recovery, FullRestart, Ending)) for e in self.live())):
             # a rank aborted a step on its own (it saw a collective fail); who failed is decided
-            # by the detectors below, but the recovery starts collecting now
-            self._begin_recovery(rep.gen, step, data.get("t", time.time()))
-            self.recovery.on_report(node, kind, rank, step, data, rep.gen)
+            # by the detectors below, but the recovery starts collecting now (a restart needs
+            # nothing collected: it stops every worker)
+            rec = Recovery(self, rep.gen, rep.step, rep.t)
+            self.start(rec)
+            rec.on_report(node, rep)
 
     def _worker_exited(self, m: WorkerExited) -> None:
         self.exited.add((m.node, m.local))
         n = self.nodes.nodes[m.node]
-        expected = (self.ending is not None or self.restart is not None
+        expected = (self.ending is not None or self.find(FullRestart) is not None
                     or n.role in (Role.LEAVING, Role.RELEASED, Role.FAILED)
                     or (m.rc == 0 and m.rank in self.finished))
         self.log.emit("worker_exit", node=m.node, rank=m.rank, rc=m.rc, pid=m.pid, expected=expected)
@@ -262,7 +321,8 @@ class Controller:
         if ch is not None:
             ch.abandon()
         n = self.nodes.nodes[node]
-        if n.role == Role.LEAVING and (self.swap is None or self.swap.state in ("switched",)):
+        if n.role == Role.LEAVING and node not in self.holders:
+            # a leaver whose ranks have moved on (its swap switched): its node goes back to Slurm
             self.nodes.set_role(node, Role.RELEASED, reason="evacuated")
             self.release(node, why)
         elif n.role in (Role.ACTIVE, Role.STANDBY, Role.JOINING, Role.LEAVING) and self.ending is None:
@@ -277,6 +337,44 @@ class Controller:
         self.log.emit("node_released", node=node, why=why, result=result,
                       release_s=round(time.monotonic() - t0, 4))
 
+    # ------------------------------------------------------------ decisions
+    def _apply(self, decisions: list[Decision]) -> None:
+        for d in decisions:
+            if isinstance(d, Fail):
+                self.fail(d.node, d.how, **d.detail)
+            elif isinstance(d, Stop):
+                self.abort_and_stop(d.why)
+            elif isinstance(d, ReleaseStandby):
+                self.send(d.node, Shutdown(f"drained: {d.reason}"))
+                self.nodes.set_role(d.node, Role.RELEASED, reason=f"drained standby: {d.reason}")
+                self.release(d.node, "standby drained")
+            elif isinstance(d, Migrate):
+                req = d.request
+                if self.cfg.recovery.strategy == "restart":
+                    self.start(FullRestart.planned(self, d.move, req.reason or "drain"))
+                else:
+                    plan = plan_planned(self.topo, self.next_plan_id(), self.gen, self.new_gen(), [d.move],
+                                        reason=req.reason or req.verb)
+                    self.start(PlannedSwap(self, plan, req))
+            elif isinstance(d, TakeCheckpoint):
+                votes.set_pending(self.store, self.gen, checkpoint=d.reason or "requested", exit=d.exit)
+                self.log.emit("checkpoint_requested", reason=d.reason, exit=d.exit)
+                if d.exit:
+                    self.stop(d.reason or "checkpoint and exit", JobState.REQUEUED, code=self.requeue_code,
+                              wait_workers=True)
+
+    def _drive_intake(self) -> None:
+        """Start what was asked for, one thing at a time, only while training runs."""
+        if not self.busy() and self.job.state == JobState.RUNNING and self.committed_step() is not None:
+            self._apply(self.intake.next(self.nodes.nodes))
+
+    def handle_request(self, r: Request) -> None:
+        self._apply(self.intake.handle(r, self.nodes.nodes))
+
+    def _poll_watcher(self) -> None:
+        held = [n for n, x in self.nodes.nodes.items() if x.role not in (Role.FAILED, Role.RELEASED)]
+        self._apply(self.intake.watcher(*self.watcher.poll(held), self.nodes.nodes))
+
     # ------------------------------------------------------------ failures
     def injected_at(self, node: str) -> float | None:
         p = jobdir.control_dir(self.job_dir) / f"injected-{node}.json"
@@ -287,7 +385,7 @@ class Controller:
 
     def fail(self, node: str, how: str, **detail) -> None:
         """The one place a node is declared failed: fence it, abort the step if it held (or was
-        about to hold) ranks, and hand over to recovery."""
+        about to hold) ranks, and hand it to the episodes in flight, or to a new recovery."""
         n = self.nodes.nodes.get(node)
         if n is None or n.role in (Role.FAILED, Role.RELEASED):
             return
@@ -298,66 +396,24 @@ class Controller:
         ch = self.channels.get(node)
         if ch is not None:
             ch.abandon()
-        involved = node in self.holder.values() or (
-            self.swap is not None and node in self.swap.plan.joiners + self.swap.plan.leavers)
-        slot = n.slot if n.role in (Role.ACTIVE, Role.LEAVING) and node in self.holder.values() else None
+        involved = node in self.holders or any(e.involves(node) for e in self.live())
         self.nodes.set_role(node, Role.FAILED, reason=how, **detail)
         info = {"how": how, "detect_s": round(t_detect - t_fail, 4) if t_fail else None, **detail}
         self.log.emit("failure_detected", node=node, gen=self.gen, **info)
         if self.job.state == JobState.STARTING and involved:
-            self.stop(f"{node} failed before training started ({how})", JobState.FAILED, code=1)
+            self.stop(f"{node} failed before training started ({how})", JobState.FAILED, code=Exit.FAILED)
             return
-        if self.ending is not None or not involved:
-            if self.swap is not None and node in self.swap.plan.joiners:
-                self.swap.cancel(f"joiner {node} failed ({how})")
+        f = Failure(node, how, info, t_fail or t_detect)
+        if self.ending is None and involved:
+            f.aborted = self.abort_in_flight(f"{node} failed ({how})")
+        for ep in list(self.live()):
+            if ep.on_node_failed(f):
+                return
+        if f.aborted is None:
             return
-        if self.recovery is not None and self.recovery.state == "resumed":
-            self.recovery.finish(interrupted=True)
-        gen, step = self.abort_in_flight(f"{node} failed ({how})")
-        if self.restart is not None and self.restart.shrink is not None:
-            self.log.emit("shrink_failed", node=node, step=step, why=f"{node} failed during the shrink")
-            self.stop(f"{node} failed during a shrink ({how})", JobState.REQUEUED, code=self.requeue_code)
-            return
-        if self.cfg.recovery.strategy == "restart":
-            self._restart_after_failure(node, slot, step, t_fail or t_detect, how)
-            return
-        if self.swap is not None and gen == self.gen and self.swap.state != "switched":
-            self.swap.cancel(f"{node} failed ({how})")   # unless a commit carried the switch already
-        if self.swap is not None:
-            # the switch stands: the failed node's slot is the one it holds after it
-            self.swap.on_switched(int(self.store.get(votes.switch_key(self.swap.plan.id))))
-            slot = next((m.slot for m in self.swap.plan.moves if m.joiner == node), slot)
-            if node in self.swap.plan.leavers:
-                slot = None          # its ranks had moved already
-            self.swap.finish(interrupted=True)
-        if slot is None and node in self.holder.values():
-            slot = self.topo.slot_of(next(r for r, h in self.holder.items() if h == node))
-        if self.recovery is None:
-            self._begin_recovery(gen, step, t_fail or t_detect)
-        elif gen != self.recovery.gen:
-            self.recovery.gen, self.recovery.step, self.recovery.aborted = gen, step, {}
-        if slot is not None:
-            self.recovery.add_failure(node, info, slot)
-        else:
-            self.recovery.failed.setdefault(node, info)
-
-    def _restart_after_failure(self, node: str, slot, step: int, t_fail: float, how: str) -> None:
-        if slot is None and node in self.holder.values():
-            slot = self.topo.slot_of(next(r for r, h in self.holder.items() if h == node))
-        taken = [m.joiner for m in self.restart.moves] if self.restart else []
-        joiner = choose_joiner(self.nodes.nodes.values(), exclude=taken)
-        if slot is not None and joiner is None:
-            self.log.emit("standbys_exhausted", step=step, policy="restart", action="exit")
-            self.stop("no standby to restart on", JobState.REQUEUED, code=self.requeue_code)
-            return
-        move = [Move(slot, node, joiner)] if slot is not None else []
-        if self.restart is None:
-            self.restart = FullRestart(self, "unplanned", move, how, t_fail)
-            self.restart.start_unplanned(step)
-        else:
-            self.restart.moves += move
-            for m in move:
-                self.nodes.set_role(m.joiner, Role.JOINING, reason=how, slot=m.slot)
+        ep = (FullRestart if self.cfg.recovery.strategy == "restart" else Recovery).after_failure(self, f)
+        if ep is not None:
+            self.start(ep)
 
     def abort_in_flight(self, why: str) -> tuple[int, int]:
         """Abort whatever step the ranks are in (see vote.abort_in_flight for the range)."""
@@ -365,11 +421,6 @@ class Controller:
                    if w.rank is not None and w.step is not None]
         lo = (self.committed_step() or -1) + 1
         return votes.abort_in_flight(self.store, self.gen, lo, max(working, default=lo) + 1, why)
-
-    def _begin_recovery(self, gen: int, step: int, t_fail: float) -> None:
-        self.recovery = Recovery(self, gen, step, t_fail)
-        if self.job.state != JobState.RECOVERING:
-            self.job.set(JobState.RECOVERING, step=step)
 
     def _check_liveness(self, now: float) -> None:
         if self.ending is not None:
@@ -407,26 +458,42 @@ class Controller:
     # ------------------------------------------------------------ stopping
     def abort_and_stop(self, why: str) -> None:
         self.abort_in_flight(why)
-        self.stop(why, JobState.FAILED if why.startswith("unrecoverable") else JobState.FINISHED, code=1)
+        self.stop(why, JobState.FAILED if why.startswith("unrecoverable") else JobState.FINISHED,
+                  code=Exit.FAILED)
+
+    def _on_signal(self, sig) -> None:
+        """The first SIGUSR1, SIGTERM or SIGINT checkpoints at the next step boundary and ends
+        resumable; a second SIGINT stops at once (the last valid checkpoint stays)."""
+        why = {"SIGINT": "interrupted (SIGINT)"}.get(sig.name, f"time limit ({sig.name})")
+        if not self.time_limit_signal:
+            self.time_limit_signal = True
+            self.log.emit("signal", signal=sig.name, action="checkpoint_exit")
+            self.handle_request(Request("checkpoint", None, why, time.time(), os.getuid(), "", {"exit": True}))
+        elif sig == signal.SIGINT:
+            self.log.emit("signal", signal=sig.name, action="stop_now")
+            self.intake.wanted_checkpoint = None
+            if self.ending is None:
+                self.stop("interrupted twice (SIGINT): stopped at once", JobState.REQUEUED, code=self.requeue_code)
+            else:
+                self.ending.wait_workers = False
+        else:
+            self.log.emit("signal", signal=sig.name, action="already_ending")
 
     def stop(self, why: str, final: JobState, code: int, wait_workers: bool = False) -> None:
         if self.ending is not None:
             return
-        if self.swap is not None and self.swap.state == "switched" and self.swap.joined:
-            self.swap.finish(interrupted=True)   # the job ended inside the measuring window
-        self.job.set(JobState.STOPPING, why=why)
-        self.ending = Ending(why, final, code, wait_workers, time.monotonic())
+        for ep in list(self.live()):
+            ep.finish(why)
+        self.start(Ending(self, why, final, int(code), wait_workers))
 
     # ------------------------------------------------------------ loop
     def run(self) -> int:
-        import signal
         self._open()
         # sbatch --signal=B:USR1@T, SIGTERM (a time limit without --signal: KillWait before
         # SIGKILL) and the first SIGINT (Ctrl-C): checkpoint at the next step boundary and end
         # resumable. A second SIGINT stops at once; the last valid checkpoint stays.
-        signals: list[int] = []
         for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda s, _: signals.append(s))
+            signal.signal(sig, lambda s, _: self.signals.append(s))
         if self.watcher is not None:
             self.watcher.start()
         try:
@@ -454,42 +521,20 @@ class Controller:
                     missing = sorted(set(self.nodes.nodes) - set(self.channels))
                     self.log.emit("start_timeout", missing_agents=missing)
                     self.stop(f"not every node started within {self.T.admit_timeout_s}s: {missing}",
-                              JobState.FAILED, code=1)
+                              JobState.FAILED, code=Exit.FAILED)
                 self._check_liveness(now)
                 if now >= next_req:
-                    self.intake.poll_requests()
+                    self._apply(self.intake.requests(*self.requests.poll(), self.nodes.nodes))
                     next_req = now + 0.05
                 if self.watcher is not None:
-                    self.intake.poll_watcher()
-                while signals:
-                    sig = signal.Signals(signals.pop(0))
-                    why = {"SIGINT": "interrupted (SIGINT)"}.get(sig.name, f"time limit ({sig.name})")
-                    if not self.time_limit_signal:
-                        self.time_limit_signal = True
-                        self.log.emit("signal", signal=sig.name, action="checkpoint_exit")
-                        self.intake.handle(Request("checkpoint", None, why, time.time(), os.getuid(),
-                                                   "", {"exit": True}))
-                    elif sig == signal.SIGINT:
-                        self.log.emit("signal", signal=sig.name, action="stop_now")
-                        self.intake.wanted_checkpoint = None
-                        if self.ending is None:
-                            self.stop("interrupted twice (SIGINT): stopped at once", JobState.REQUEUED,
-                                      code=self.requeue_code)
-                        else:
-                            self.ending.wait_workers = False
-                    else:
-                        self.log.emit("signal", signal=sig.name, action="already_ending")
-                if self.swap is not None:
-                    self.swap.tick(now)
-                if self.recovery is not None:
-                    self.recovery.tick(now)
-                if self.restart is not None:
-                    self.restart.tick(now)
+                    self._poll_watcher()
+                while self.signals:
+                    self._on_signal(signal.Signals(self.signals.pop(0)))
+                for ep in list(self.live()):
+                    ep.tick(now)
                 self.pool.check_stragglers(now)
-                self.intake.drive()
+                self._drive_intake()
                 self.pool.replenish()
-                if self.ending is not None:
-                    self.ending.drive(self, now)
                 if self.on_tick is not None:
                     self.on_tick(self)
                 if now >= next_ping:
@@ -499,13 +544,13 @@ class Controller:
                 if now >= next_status:
                     self.records.write_status()
                     next_status = now + 0.5
-                busy = (now < busy_until or self.swap or self.recovery or self.restart
+                busy = (now < busy_until or self.busy()
                         or self.job.state in (JobState.STARTING, JobState.STOPPING))
                 time.sleep(mpictl.POLL_BUSY_S if busy else mpictl.POLL_IDLE_S)
         except Exception:
             import traceback
             self.log.emit("controller_error", error=traceback.format_exc()[-3000:])
-            self.exit_code = 1
+            self.exit_code = int(Exit.FAILED)
             raise
         finally:
             self.records.write_status()
@@ -526,4 +571,3 @@ class Controller:
             self.launcher.requeue()
         except Exception as e:
             self.log.emit("requeue_failed", error=str(e)[:500])
-

@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
-
 from ..planner import straggler
 from ..roles import JobState, Role
 from .requests import Request
 
-if TYPE_CHECKING:
-    from .core import Controller
-
 
 class Pool:
-    def __init__(self, ctl: "Controller"):
+    def __init__(self, ctl):
+        """`ctl`: the controller (its nodes, launcher, progress and requests)."""
         self.ctl = ctl
         self.replenishing = 0                  # companion standbys asked for, not yet joined
-        self.holder_since: dict[str, int] = {n: 0 for n in ctl.holder.values()}
         self._next_check = 0.0
 
     def replenish(self) -> None:
@@ -48,7 +43,7 @@ class Pool:
 
     def check_stragglers(self, now: float) -> None:
         ctl, sc = self.ctl, self.ctl.cfg.straggler
-        if (not sc.enabled or now < self._next_check or ctl.intake.busy()
+        if (not sc.enabled or now < self._next_check or ctl.busy()
                 or ctl.job.state != JobState.RUNNING or ctl.intake.wanted_drains):
             return
         self._next_check = now + 1.0
@@ -56,15 +51,15 @@ class Pool:
         if found:
             node, slower = found
             ctl.log.emit("straggler", node=node, slower_by=round(slower, 3), window=sc.window_steps)
-            ctl.intake.handle(Request("drain", node, f"straggler: {slower:.0%} slower than its peers",
+            ctl.handle_request(Request("drain", node, f"straggler: {slower:.0%} slower than its peers",
                                       time.time(), os.getuid(), "", {"cause": "straggler"}))
 
     def _busy_by_node(self) -> dict[str, list[float]]:
         """Each holding node's own work per step (its slowest rank), since it holds its slot:
         a joiner is not judged by its predecessor's steps."""
         ctl, out = self.ctl, {}
-        for n in set(ctl.holder.values()):
-            since = self.holder_since.get(n, 0)
+        for n in ctl.holders.nodes():
+            since = ctl.holders.since.get(n, 0)
             per_step: dict[int, float] = {}
             for r in ctl.topo.slot_ranks(ctl.nodes.nodes[n].slot):
                 for s, rec in ctl.progress.by_rank.get(r, {}).items():

@@ -6,19 +6,17 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import TYPE_CHECKING
-
 from .. import jobdir
 from ..events import fsync_write
 from ..roles import Role
 from ..worker import checkpoint as ckpt
-
-if TYPE_CHECKING:
-    from .core import Controller
+from .episodes.recovery import Recovery
+from .episodes.swap import PlannedSwap
 
 
 class Records:
-    def __init__(self, ctl: "Controller"):
+    def __init__(self, ctl):
+        """`ctl`: the controller, read only (but for its finished checkpoints)."""
         self.ctl = ctl
         self._steps_logged: dict[int, float] = {}
         self._steps_f = open(jobdir.steps_file(ctl.job_dir), "a", buffering=1)
@@ -43,17 +41,18 @@ class Records:
         ctl = self.ctl
         nodes = {}
         for name, n in sorted(ctl.nodes.nodes.items()):
-            ranks = sorted(r for r, h in ctl.holder.items() if h == name) if n.role in (
+            ranks = sorted(r for r, h in ctl.holders.ranks.items() if h == name) if n.role in (
                 Role.ACTIVE, Role.LEAVING) else []
             ws = [{"local": w.local, "pid": w.pid, "rank": w.rank, "step": w.step, "alive": w.alive}
                   for w in ctl.workers.get(name, {}).values()]
             nodes[name] = {"role": n.role.value, "ready": n.ready, "ranks": ranks, "slot": n.slot,
                            "host": n.host, "workers": ws}
+        swap, recovery = ctl.find(PlannedSwap), ctl.find(Recovery)
         return {"job": ctl.job_id, "state": ctl.job.state.value, "generation": ctl.gen,
                 "committed_step": ctl.committed_step(), "nodes": nodes, "pid": os.getpid(),
-                "swap": None if ctl.swap is None else {"plan": ctl.swap.plan.id, "state": ctl.swap.state},
-                "recovery": None if ctl.recovery is None else {"state": ctl.recovery.state,
-                                                                "step": ctl.recovery.step},
+                "swap": None if swap is None else {"plan": swap.plan.id, "state": swap.state.value},
+                "recovery": None if recovery is None else {"state": recovery.state.value,
+                                                            "step": recovery.step},
                 "interruptions": ctl.interruptions, "updated": time.time()}
 
     def write_status(self) -> None:

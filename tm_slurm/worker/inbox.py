@@ -10,7 +10,7 @@ import time
 from typing import Callable
 
 from ..control.wire import Wire
-from ..messages import (CancelPlan, Checkpoint, Prepare, Recover, Report, Resume, Stop,
+from ..messages import (Beat, CancelPlan, Checkpoint, Prepare, Recover, Report, Resume, Stop,
                         WriteCheckpoint)
 
 EXIT_AGENT_GONE = 70
@@ -80,4 +80,4 @@ class Inbox:
             with self._plock:
                 prog, self._progress = self._progress, []
             gen, rank, step, committed = status()
-            self.send(Report("hb", gen, rank, step, {"committed": committed, "progress": prog}))
+            self.send(Beat(gen, rank, step, committed=committed, progress=prog))

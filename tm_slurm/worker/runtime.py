@@ -30,7 +30,7 @@ from ..control.auth import Keys, Sealer
 from ..control.wire import Wire
 from ..data import key
 from ..events import fsync_write
-from ..messages import Assign, GroupBuild, Launch, Prepare, Report, SwapPlan
+from ..messages import Assign, Crashed, GroupBuild, Launch, Prepare, SwapPlan, report
 from ..topology import Topology
 from . import checkpoint as ckpt
 from .context import Context, make_context
@@ -100,7 +100,7 @@ class Worker:
         return Sealer(self.keys, self.launch.job, f"{self.node}/w{self.local}")
 
     def report(self, kind: str, step: int | None = None, **data) -> None:
-        self.inbox.send(Report(kind, self.gen, self.rank, step, data))
+        self.inbox.send(report(kind, self.gen, self.rank, step, **data))
 
     def _on_comm_error(self, gid: str, e: BaseException) -> None:
         self.report("comm_error", self.step, group=gid, error=f"{type(e).__name__}: {str(e)[:300]}",
@@ -343,6 +343,6 @@ def run(build: BuildFn, step: StepFn, steps: int) -> None:
         raise
     except BaseException:
         traceback.print_exc()
-        wire.send(Report("crashed", -1, None, None, {"error": traceback.format_exc()[-2000:]}))
+        wire.send(Crashed(-1, None, None, error=traceback.format_exc()[-2000:]))
         os._exit(1)
     os._exit(EXIT_AGENT_GONE)  # unreachable: train() always exits the process
