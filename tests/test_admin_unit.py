@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from tm_slurm import admin, jobdir
-from tm_slurm.admin import RunningJob
 from tm_slurm.admin import evacuate as ev
+from tm_slurm.admin import jobs as admin_jobs
 from tm_slurm.admin import notify as nt
+from tm_slurm.admin.jobs import RunningJob
 from tm_slurm.slurm import SlurmError
 from tm_slurm.slurm.backend import NodeState
 
@@ -84,7 +85,7 @@ def test_parse_squeue_keeps_separators_in_the_workdir_and_expands_nodes():
            "70013_4|bob|node4|/scratch/bob\n"
            "\n"
            "garbage line\n")
-    jobs = admin.parse_squeue(out)
+    jobs = admin_jobs.parse_squeue(out)
     assert jobs[0] == RunningJob("70012", "alice", ("node1", "node2", "node3", "node5"),
                                  "/home/alice/run|with bar")
     assert jobs[1].job_id == "70013_4" and jobs[1].nodes == ("node4",)
@@ -98,10 +99,10 @@ def test_running_jobs_asks_squeue_for_running_jobs_on_the_nodes():
         seen["argv"] = argv
         return subprocess.CompletedProcess(argv, 0, "1|u|n1|/w\n", "")
 
-    assert admin.running_jobs(["node3", "node2"], run=run)[0].job_id == "1"
+    assert admin_jobs.running_jobs(["node3", "node2"], run=run)[0].job_id == "1"
     assert "--states=RUNNING" in seen["argv"] and "--nodelist=node[2-3]" in seen["argv"]
-    assert f"--format={admin.SQUEUE_FORMAT}" in seen["argv"]
-    admin.running_jobs(None, run=run)
+    assert f"--format={admin_jobs.SQUEUE_FORMAT}" in seen["argv"]
+    admin_jobs.running_jobs(None, run=run)
     assert not any(a.startswith("--nodelist") for a in seen["argv"])
 
 
@@ -110,13 +111,13 @@ def test_running_jobs_errors_say_what_failed():
         raise FileNotFoundError(argv[0])
 
     with pytest.raises(SlurmError, match="Slurm CLI not found"):
-        admin.running_jobs(["n1"], run=missing)
+        admin_jobs.running_jobs(["n1"], run=missing)
 
     def fails(argv, **kw):
         return subprocess.CompletedProcess(argv, 1, "", "squeue: error: Invalid node name specified")
 
     with pytest.raises(SlurmError, match="Invalid node name"):
-        admin.running_jobs(["n1"], run=fails)
+        admin_jobs.running_jobs(["n1"], run=fails)
 
 
 def test_a_job_dir_marks_a_tm_slurm_job(tmp_path):
@@ -131,10 +132,10 @@ def test_affected_uses_the_allocation_and_the_jobs_own_view(tmp_path):
     failed = tm_job(tmp_path, "8", ["node4"], {"node4": "ACTIVE", "node3": "FAILED"})
     other = plain_job(tmp_path, "9", ["node3", "node5"])
     far = tm_job(tmp_path, "10", ["node6"], {"node6": "ACTIVE"})
-    got = {j.job_id: held for j, held in admin.affected([live, failed, other, far], ["node3"])}
+    got = {j.job_id: held for j, held in admin_jobs.affected([live, failed, other, far], ["node3"])}
     assert got == {"7": ["node3"], "9": ["node3"]}
-    got = {j.job_id: held for j, held in admin.affected([live, failed, other, far], ["node3"],
-                                                         admin.LIVE_ROLES | {"FAILED"})}
+    got = {j.job_id: held for j, held in admin_jobs.affected([live, failed, other, far], ["node3"],
+                                                              admin_jobs.LIVE_ROLES | {"FAILED"})}
     assert got == {"7": ["node3"], "8": ["node3"], "9": ["node3"]}
 
 

@@ -3,9 +3,7 @@ planned swap, a recovery, a restart, a shrink and the ending, in milliseconds, w
 injected. Process tests (tests/procs) keep the end-to-end truth; these pin the decisions."""
 from __future__ import annotations
 
-import ast
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -890,43 +888,3 @@ def test_every_report_kind_builds_by_name_and_keeps_gen_rank_step():
     assert rep.data() == {"broken": ["dp/pp0.tp0"], "why": "x", "t": 2.0}
     with pytest.raises(TypeError):
         report("ready", 0, 0, None, plan=1)         # a kind's fields are checked when built
-
-
-def test_controller_package_has_no_import_cycles():
-    root = Path(__file__).resolve().parents[1] / "tm_slurm"
-    pkg = root / "controller"
-    mods = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
-            for p in pkg.rglob("*.py")}
-    graph = {}
-    for name, path in mods.items():
-        deps = set()
-        is_pkg = path.name == "__init__.py"
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                base = name.split(".")[: len(name.split(".")) - node.level + (1 if is_pkg else 0)] \
-                    if node.level else []
-                target = ".".join(base + ([node.module] if node.module else []))
-                for a in node.names:
-                    for cand in (f"{target}.{a.name}", target):
-                        if cand in mods:
-                            deps.add(cand)
-                            break
-            elif isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names if a.name in mods}
-        graph[name] = deps - {name}
-
-    def cycle_from(start):
-        stack, seen = [(start, [start])], set()
-        while stack:
-            n, path = stack.pop()
-            for d in graph[n]:
-                if d == start:
-                    return path
-                if d not in seen:
-                    seen.add(d)
-                    stack.append((d, path + [d]))
-        return None
-
-    assert len(graph) > 10
-    cycles = {m: c for m in graph if (c := cycle_from(m))}
-    assert not cycles, cycles

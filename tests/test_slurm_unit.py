@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tm_slurm.slurm import address, allocation, backend, classify as cl, cli_backend as cb, hostlist
+from tm_slurm.slurm import address, allocation, backend, choose, classify as cl, cli_backend as cb, hostlist
 from tm_slurm.slurm import pyslurm_backend as pb
 from tm_slurm.slurm.backend import JobInfo, NodeState, Reservation, SlurmError
 
@@ -431,28 +431,28 @@ def test_cli_backend_satisfies_protocol():
 # ============================================================================ backend_for
 
 def test_backend_for(monkeypatch):
-    monkeypatch.setattr(backend, "_pyslurm_version", lambda: None)
-    monkeypatch.setattr(backend, "slurm_version", lambda env=None, timeout=10.0: (22, 5))
-    assert backend.backend_for("auto").name == "cli"
-    assert backend.backend_for("cli").name == "cli"
+    monkeypatch.setattr(choose, "_pyslurm_version", lambda: None)
+    monkeypatch.setattr(choose, "slurm_version", lambda env=None, timeout=10.0: (22, 5))
+    assert choose.backend_for("auto").name == "cli"
+    assert choose.backend_for("cli").name == "cli"
     with pytest.raises(SlurmError, match="pyslurm is not importable"):
-        backend.backend_for("pyslurm")
-    monkeypatch.setattr(backend, "_pyslurm_version", lambda: (25, 11))
-    assert backend.backend_for("auto").name == "cli"
+        choose.backend_for("pyslurm")
+    monkeypatch.setattr(choose, "_pyslurm_version", lambda: (25, 11))
+    assert choose.backend_for("auto").name == "cli"
     with pytest.raises(SlurmError, match=r"built for Slurm 25.11 but this cluster runs Slurm 22.05"):
-        backend.backend_for("pyslurm")
-    monkeypatch.setattr(backend, "_pyslurm_version", lambda: (22, 5))
-    assert backend.backend_for("auto").name == "pyslurm"
-    assert backend.backend_for("pyslurm").name == "pyslurm"
+        choose.backend_for("pyslurm")
+    monkeypatch.setattr(choose, "_pyslurm_version", lambda: (22, 5))
+    assert choose.backend_for("auto").name == "pyslurm"
+    assert choose.backend_for("pyslurm").name == "pyslurm"
     with pytest.raises(ValueError, match="unknown Slurm backend"):
-        backend.backend_for("rest")
+        choose.backend_for("rest")
 
 
 def test_parse_version():
-    assert backend.parse_version(golden("sinfo_version.txt")) == (22, 5)
-    assert backend.parse_version("slurm 24.05.1") == (24, 5)
-    assert backend.parse_version("25.11.0") == (25, 11)     # pyslurm __version__
-    assert backend.parse_version("garbage") is None
+    assert choose.parse_version(golden("sinfo_version.txt")) == (22, 5)
+    assert choose.parse_version("slurm 24.05.1") == (24, 5)
+    assert choose.parse_version("25.11.0") == (25, 11)     # pyslurm __version__
+    assert choose.parse_version("garbage") is None
 
 
 # ============================================================================ pyslurm mapping (fakes)

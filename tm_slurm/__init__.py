@@ -12,7 +12,7 @@ __all__ = ["run", "TrainState", "Context"]
 
 def __getattr__(name):
     if name == "run":
-        from .worker.runtime import run
+        from .worker.loop import run
         return run
     if name == "TrainState":
         from .worker.state import TrainState

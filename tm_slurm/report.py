@@ -21,6 +21,7 @@ from pathlib import Path
 
 from . import events as evlog
 from . import jobdir
+from .findjob import find_job
 from .sim import PAPER_FRAMEWORK_INIT_S, PAPER_RESCHED_MIN, PAPER_STOP_MIN
 
 PAPER_RESTART_S = round((PAPER_STOP_MIN + PAPER_RESCHED_MIN) * 60 + PAPER_FRAMEWORK_INIT_S, 1)  # 388.2
@@ -272,7 +273,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def main(args) -> int:
-    from .cli import find_job
     job = find_job(args.job)
     try:
         s = summarize(job, args.restart_estimate_s, args.bench)

@@ -16,7 +16,8 @@ import time
 import pytest
 
 from tm_slurm.slurm import hostlist
-from tm_slurm.slurm.backend import SlurmError, backend_for, slurm_version
+from tm_slurm.slurm.backend import SlurmError
+from tm_slurm.slurm.choose import backend_for, slurm_version
 from tm_slurm.slurm.classify import EventDebouncer, classify
 from tm_slurm.slurm.cli_backend import CliBackend
 

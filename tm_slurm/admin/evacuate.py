@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .. import jobdir
 from ..slurm import SlurmError, backend_for, hostlist
-from . import RunningJob, affected, ask, privilege_note, running_jobs
+from .jobs import RunningJob, affected, ask, privilege_note, running_jobs
 
 POLL_S = 0.25           # events and node states
 SQUEUE_EVERY_S = 1.0    # the allocation check is the fallback to the events: one squeue a second

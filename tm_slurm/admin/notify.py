@@ -22,7 +22,7 @@ import sys
 import time
 
 from ..slurm import SlurmError, hostlist
-from . import LIVE_ROLES, affected, ask, privilege_note, running_jobs
+from .jobs import LIVE_ROLES, affected, ask, privilege_note, running_jobs
 
 VERB = {"fail": "drain", "drained": "drain", "down": "fail"}
 ROLES = {"fail": LIVE_ROLES, "drained": LIVE_ROLES, "down": LIVE_ROLES | {"FAILED"}}

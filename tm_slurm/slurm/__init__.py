@@ -12,7 +12,8 @@ the allocation we run in, and the pure classification of node states into events
 
 Submodules are light (stdlib only); pyslurm is imported lazily and only by its backend.
 """
-from .backend import JobInfo, NodeState, Reservation, SlurmBackend, SlurmError, backend_for
+from .backend import JobInfo, NodeState, Reservation, SlurmBackend, SlurmError
+from .choose import backend_for
 from .classify import EventDebouncer, NodeEvent
 from .hostlist import compress, expand
 

@@ -1,4 +1,5 @@
-"""The one small interface between tm_slurm and Slurm, its value types, and `backend_for`.
+"""The one small interface between tm_slurm and Slurm and its value types (`choose.py` picks
+the implementation).
 
 Two implementations:
 
@@ -17,7 +18,6 @@ MAINTENANCE, RESERVED, REBOOT_REQUESTED, REBOOT_ISSUED, POWER_*, PLANNED, CLOUD,
 from __future__ import annotations
 
 import re
-import subprocess
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -226,64 +226,5 @@ def split_state(text: str) -> tuple[str, frozenset[str]]:
     return base, frozenset(flags)
 
 
-def parse_version(text: str) -> tuple[int, int] | None:
-    """`slurm-wlm 22.05.8` / `slurm 24.05.1` / `24.5.1` (pyslurm) -> (22, 5) / (24, 5)."""
-    m = re.search(r"(\d+)\.(\d+)", text or "")
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
-def slurm_version(env: dict | None = None, timeout: float = 10.0) -> tuple[int, int] | None:
-    """The Slurm major.minor of the CLI on PATH (`sinfo --version`), None if not found."""
-    try:
-        out = subprocess.run(["sinfo", "--version"], capture_output=True, text=True,
-                             timeout=timeout, env=env)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return parse_version(out.stdout) if out.returncode == 0 else None
-
-
-def _pyslurm_version() -> tuple[int, int] | None:
-    try:
-        import pyslurm  # noqa: F401  (optional dependency)
-    except Exception:   # ImportError, or a libslurm mismatch at import time
-        return None
-    v = getattr(pyslurm, "__version__", None)
-    if v is None and callable(getattr(pyslurm, "version", None)):
-        v = pyslurm.version()
-    return parse_version(str(v)) if v else None
-
-
-def backend_for(kind: str = "auto", *, env: dict | None = None, timeout: float = 10.0) -> SlurmBackend:
-    """Pick a backend.
-
-    "cli": the Slurm CLI. "pyslurm": pyslurm, or SlurmError saying why it cannot be used.
-    "auto": pyslurm if it imports AND its Slurm major.minor equals `sinfo --version`'s, else cli.
-    `env` / `timeout` go to the CLI backend (env for every subprocess, timeout per call).
-    """
-    kind = (kind or "auto").lower()
-    if kind == "cli":
-        from .cli_backend import CliBackend
-        return CliBackend(env=env, timeout=timeout)
-    if kind not in ("auto", "pyslurm"):
-        raise ValueError(f"unknown Slurm backend {kind!r}: expected auto, cli or pyslurm")
-    pv = _pyslurm_version()
-    sv = slurm_version(env, timeout)
-    if pv is not None and sv is not None and pv == sv:
-        from .pyslurm_backend import PyslurmBackend
-        return PyslurmBackend()
-    if kind == "pyslurm":
-        if pv is None:
-            why = "pyslurm is not importable (pip install pyslurm matching your Slurm version)"
-        elif sv is None:
-            why = (f"pyslurm {pv[0]}.{pv[1]} imports but the Slurm version could not be read "
-                   "(`sinfo --version` failed: is slurm-client installed / on PATH?)")
-        else:
-            why = (f"pyslurm is built for Slurm {pv[0]}.{pv[1]:02d} but this cluster runs "
-                   f"Slurm {sv[0]}.{sv[1]:02d}; install the matching pyslurm or use slurm.backend=cli")
-        raise SlurmError(f"Slurm backend 'pyslurm' unusable: {why}")
-    from .cli_backend import CliBackend
-    return CliBackend(env=env, timeout=timeout)
-
-
 __all__ = ["NodeState", "Reservation", "JobInfo", "SlurmBackend", "SlurmError",
-           "backend_for", "check_release", "split_state", "parse_version", "slurm_version", "BASE_STATES"]
+           "check_release", "split_state", "BASE_STATES"]

@@ -17,6 +17,7 @@ from .. import jobdir
 from ..events import fsync_write
 from ..messages import Checkpoint, LostState
 from . import checkpoint as ckpt
+from .rank import exit_clean
 
 EXIT_CONTROLLER_LOST = 75
 
@@ -28,7 +29,6 @@ def lost_dir(job_dir: Path) -> Path:
 
 def controller_lost(w, pending: int | None, error) -> None:
     """Never returns: the process exits once its part is written."""
-    from .runtime import exit_clean
     if w.inbox.lost_controller is None:
         # the store failing is the first sign; the agent confirms (heartbeat silence) or not
         deadline = time.monotonic() + w.T.controller_timeout_s + 5

@@ -15,8 +15,8 @@ from pathlib import Path
 from ..comm import vote as votes
 from ..messages import CancelPlan, Checkpoint, Prepare, Recover, Resume, Stop, WriteCheckpoint
 from . import checkpoint as ckpt
-from . import sandbox
-from .runtime import BuildFn, StepFn, Worker, exit_clean, is_link
+from . import lost, sandbox
+from .rank import BuildFn, StepFn, Worker, exit_clean, is_link
 from .state import recv_state, send_state
 
 EXIT_FENCED = 71
@@ -153,7 +153,6 @@ def recover(w: Worker, step: int, d: votes.Decision) -> int:
         if isinstance(msg, Stop):
             exit_clean()
         if isinstance(msg, Checkpoint):
-            from . import lost
             lost.controller_lost(w, pending=None, error=None)
         if isinstance(msg, Recover) and msg.plan.gen_from == w.gen:
             w.reaper.drop(built.values())

@@ -1,0 +1,184 @@
+"""The worker side: the user's script calls `tm_slurm.run(build, step, steps)`; this module starts
+its rank and trains it through the step boundary (commit vote, optimizer step, planned switch,
+checkpoint) to the last step. Joining and recovery live in `promote.py`, the lost-controller path
+in `lost.py`, the rank itself in `rank.py`.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+
+import torch
+
+from .. import jobdir
+from ..comm import vote as votes
+from ..control.auth import Keys, Sealer
+from ..control.wire import Wire
+from ..data import key
+from ..events import fsync_write
+from ..messages import Crashed, SwapPlan
+from . import checkpoint as ckpt
+from . import lost, promote
+from .inbox import EXIT_AGENT_GONE
+from .rank import BuildFn, StepFn, Worker, exit_clean, is_link
+from .sandbox import Recorder
+from .state import digest, nbytes, send_state
+
+ENV_FD = "TM_SLURM_AGENT_FD"
+
+
+def start(w: Worker, build_fn: BuildFn, step_fn: StepFn, steps: int) -> int:
+    """Become an active rank (at launch) or warm up and park as a standby until promoted.
+    Returns the first step to run."""
+    if w.launch.role != "ACTIVE":
+        return promote.wait_as_standby(w, build_fn, step_fn)
+    w.set_rank(w.launch.ranks[w.local])
+    c = w.topo.coord(w.rank)
+    if w.cfg.standby.sandbox and w.topo.layout.pp > 1 and c.dp == 0 and c.tp == 0:
+        w.table.recorder = Recorder()      # stand-ins for standbys, from the first step
+    w.state = build_fn(w.ctx)
+    start = w.launch.start_step
+    if w.launch.checkpoint:
+        start = ckpt.load(Path(w.launch.checkpoint), w.rank, w.topo, w.state)
+    t0 = time.perf_counter()
+    w.install(w.build(w.store_client(w.T.admit_timeout_s), list(w.launch.groups)))
+    w.report("started", start, build_s=time.perf_counter() - t0, state_bytes=nbytes(w.state),
+             steps=steps)
+    return start
+
+
+def train(w: Worker, step_fn: StepFn, steps: int, start: int) -> None:
+    voter = ThreadPoolExecutor(1, thread_name_prefix="tm-vote")
+    st = w.state
+    step = start
+    t_prev = time.perf_counter()
+    first = True
+    while step < steps and w.inbox.stop_reason is None:
+        w.step = step
+        torch.manual_seed(key(w.cfg.seed, step, w.rank))
+        t0 = time.perf_counter()
+        (st.optimizer or st.model).zero_grad(set_to_none=True)
+        w.table.broken.clear()
+        w.table.comm_s = 0.0
+        loss = step_fn(w.ctx, st, step)
+        busy = time.perf_counter() - t0 - w.table.comm_s   # own work: stragglers show here
+        d = _vote(w, voter, step)
+        if not d.commit:
+            (st.optimizer or st.model).zero_grad(set_to_none=True)
+            step = promote.recover(w, step, d)
+            t_prev = time.perf_counter()
+            first = True
+            continue
+        w.apply(step)
+        if w.table.recorder is not None:
+            w.table.recorder.save(w.job_dir, w.ctx.pp_rank)
+            w.table.recorder = None
+        now = time.perf_counter()
+        lv = float(loss) if isinstance(loss, (torch.Tensor, float, int)) else None
+        # (step, step-to-step s, this step's own time s, loss, wall time, first after a
+        # (re)start, time not spent waiting for others)
+        w.inbox.progress((step, now - t_prev, now - t0, lv, time.time(), first, busy))
+        t_prev, first = now, False
+        step += 1
+        _boundary(w, step, d)
+    if w.inbox.stop_reason is not None:
+        w.report("stopped", step, reason=w.inbox.stop_reason)
+        exit_clean()
+    _finish(w, step)
+
+
+def _vote(w: Worker, voter: ThreadPoolExecutor, step: int) -> votes.Decision:
+    """The commit vote runs on a thread of its own: if the controller's host dies, its store
+    can hang a blocking wait for minutes, and the main thread must still hear its agent
+    say so (and write the survivors' checkpoint)."""
+    fut = voter.submit(votes.vote, w.store, w.gen, step, w.cfg.layout.world,
+                       not w.table.broken, w.T.vote_timeout_s, w.rank)
+    error = None
+    while True:
+        try:
+            return fut.result(timeout=0.05)
+        except FutureTimeout:
+            if w.inbox.lost_controller is not None:
+                break
+        except Exception as e:        # the store connection broke: the controller is gone
+            error = e
+            break
+    lost.controller_lost(w, pending=step, error=error)
+
+
+def _boundary(w: Worker, next_step: int, d: votes.Decision) -> None:
+    """Between two committed steps: periodic checkpoint, planned switch, requested checkpoint
+    (all ranks act at the same boundary: it is part of the commit decision)."""
+    every = w.cfg.checkpoint.every_steps
+    if every and next_step % every == 0:
+        w.checkpoint(next_step, "periodic")
+    if d.switch is not None:
+        _switch(w, w.inbox.plans[d.switch], next_step)
+    if d.checkpoint:
+        w.checkpoint(next_step, d.checkpoint)
+        if d.exit:
+            w.report("exiting", next_step, reason=d.checkpoint)
+            exit_clean()
+
+
+def _switch(w: Worker, plan: SwapPlan, next_step: int) -> None:
+    """Phase 2 of a planned swap: the leaver hands its state over and goes; everyone else
+    swaps the prepared groups in."""
+    t0 = time.perf_counter()
+    built = w.prepared.pop(plan.id, {})
+    w.gen = plan.gen_to
+    if w.rank in plan.ranks:
+        link = next(g for g in built.values() if is_link(g))
+        info = send_state(link.pg, w.state, next_step, w.transfer_sealer(), peer=1)
+        w.report("left", next_step, plan=plan.id, **info)
+        exit_clean()
+    before = w.table.identities()
+    w.install(built)
+    w.report("switched", next_step, plan=plan.id, switch_s=time.perf_counter() - t0,
+             rebuilt=sorted(g.id for g in built.values()),
+             identity={gid: [before.get(gid), i] for gid, i in w.table.identities().items()})
+
+
+def _finish(w: Worker, step: int) -> None:
+    dg = digest(w.state)
+    out = w.job_dir / "final"
+    fsync_write(jobdir.private_dir(out) / f"rank{w.rank}.sha256", (dg + "\n").encode())
+    w.report("finished", step, digest=dg)
+    exit_clean()
+
+
+def run(build: BuildFn, step: StepFn, steps: int) -> None:
+    """Entry point for the user's script (see the README's porting guide)."""
+    fd = os.environ.get(ENV_FD)
+    if fd is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        from .plain import run_plain      # launched by torchrun: plain training, no swaps
+        run_plain(build, step, steps)
+    if fd is None:
+        raise SystemExit("this script runs under tm-slurm: `tm-slurm run --local 4+1 -- python "
+                         f"{sys.argv[0]}` (or inside an sbatch job: see sbatch/train.sbatch); "
+                         "under torchrun it trains without the runtime")
+    # Slurm's SIGTERM (a time limit, scancel) reaches every process of the step; the controller
+    # hears of it through the agent and has this rank checkpoint before SIGKILL (agent.on_sigterm)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    wire = Wire(socket.socket(fileno=int(fd)))
+    boot = wire.recv_bootstrap()        # the job secret and id: from the agent, never the environment
+    keys = Keys.derive(boot[:32])
+    node, local = os.environ.get("TM_SLURM_NODE", ""), os.environ.get("TM_SLURM_LOCAL", "0")
+    wire.sealer = Sealer(keys, boot[32:].decode(), f"{node}/w{local}", peer=node)
+    try:
+        w = Worker(wire, keys)
+        train(w, step, steps, start(w, build, step, steps))
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        wire.send(Crashed(-1, None, None, error=traceback.format_exc()[-2000:]))
+        os._exit(1)
+    os._exit(EXIT_AGENT_GONE)  # unreachable: train() always exits the process

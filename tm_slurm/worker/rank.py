@@ -1,0 +1,187 @@
+"""A worker's rank: what its agent assigned it, its groups (built at launch, in phase 1 of a
+planned swap or for a recovery, then installed), its clients of the job's store, the optimizer
+step and checkpoint of its state, and its reports; and what everything acting on it shares
+(`exit_clean`, `is_link`, the user's function types). The training loop (`loop.py`), joining and
+recovery (`promote.py`) and the lost-controller path (`lost.py`) all act on it.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import config as cfgmod
+from ..comm.groups import Group, Reaper, build_group, pick_backend
+from ..comm.handles import GroupTable
+from ..comm.sealed import SealedStore
+from ..control.auth import Keys, Sealer
+from ..control.wire import Wire
+from ..messages import Assign, GroupBuild, Launch, Prepare, SwapPlan, report
+from ..topology import Topology
+from . import checkpoint as ckpt
+from .context import Context, make_context
+from .inbox import Inbox
+from .state import TrainState
+
+StepFn = Callable[[Context, TrainState, int], object]
+BuildFn = Callable[[Context], TrainState]
+
+
+def store_client(addr: tuple[str, int], timeout: float, keys: Keys) -> SealedStore:
+    return SealedStore(dist.TCPStore(addr[0], addr[1], is_master=False, wait_for_workers=False,
+                                     timeout=timedelta(seconds=timeout)), keys)
+
+
+def is_link(g) -> bool:
+    return g.id.startswith("xfer")
+
+
+class Worker:
+    def __init__(self, wire: Wire, keys: Keys):
+        self.keys = keys
+        first = wire.recv()
+        if not isinstance(first, Assign):
+            raise RuntimeError(f"expected Assign from the agent, got {type(first).__name__}")
+        self.launch: Launch = first.launch
+        self.node, self.local = first.node, first.local
+        self.cfg = cfgmod.from_dict(self.launch.config)
+        self.T = self.cfg.timeouts
+        self.topo = Topology(self.cfg.layout)
+        self.gen = self.launch.gen
+        self.rank: int | None = None
+        self.step: int | None = None           # the step being worked on
+        self.committed: int | None = None      # the last committed step
+        self.device = self._device()
+        self.backend = pick_backend(self.cfg.comm.backend, self.device)
+        self.iface = self.cfg.comm.interface or socket.gethostname()
+        self.store = self.store_client(self.T.vote_timeout_s)
+        self.table = GroupTable(self._on_comm_error, self.T.collective_timeout_s)
+        self.reaper = Reaper()
+        self.prepared: dict[int, dict[str, Group]] = {}
+        self.state: TrainState | None = None
+        self.ctx: Context | None = None
+        self.parked: tuple[str, TrainState] | None = None   # a standby's rehearsed (role, state)
+        self.job_dir = Path(os.environ.get("TM_SLURM_JOB_DIR", "."))
+        self.inbox = Inbox(wire, self.node, self._on_prepare)
+        self.inbox.start(self.T.heartbeat_interval_s, lambda: (self.gen, self.rank, self.step,
+                                                                self.committed))
+
+    def _device(self) -> torch.device:
+        if torch.cuda.is_available() and self.cfg.comm.backend != "gloo":
+            dev = torch.device("cuda", self.local % torch.cuda.device_count())
+            torch.cuda.set_device(dev)
+            return dev
+        return torch.device("cpu")
+
+    def store_client(self, timeout: float) -> SealedStore:
+        """Another client of the job's store (a build that may be abandoned gets its own)."""
+        return store_client(self.launch.store, timeout, self.keys)
+
+    def transfer_sealer(self) -> Sealer:
+        """Seals or opens the manifest on a transfer link (one per transfer)."""
+        return Sealer(self.keys, self.launch.job, f"{self.node}/w{self.local}")
+
+    def report(self, kind: str, step: int | None = None, **data) -> None:
+        self.inbox.send(report(kind, self.gen, self.rank, step, **data))
+
+    def _on_comm_error(self, gid: str, e: BaseException) -> None:
+        self.report("comm_error", self.step, group=gid, error=f"{type(e).__name__}: {str(e)[:300]}",
+                    t=time.time())
+
+    def set_rank(self, rank: int) -> None:
+        self.rank = rank
+        self.ctx = make_context(self.topo, rank, self.table, self.device, self.cfg.seed)
+
+    # ------------------------------------------------------------ groups
+    def build(self, store, builds: list[GroupBuild], joiner: bool = False,
+              out: dict[str, Group] | None = None, plan_id: int | None = None) -> dict[str, Group]:
+        """Build, in the job-wide order of prefixes (so no two ranks wait on each other in a
+        cycle), every group of `builds` this rank belongs to, into `out` (which keeps what was
+        built if a later build fails). A transfer link's sender is group rank 0 and the joiner
+        group rank 1: both may hold the same global rank number."""
+        out = {} if out is None else out
+        abandon = None if plan_id is None else (lambda: plan_id in self.inbox.cancelled)
+        for b in sorted(builds, key=lambda b: b.prefix):
+            if is_link(b):
+                grank = 1 if joiner else 0
+            elif self.rank in b.members:
+                grank = b.members.index(self.rank)
+            else:
+                continue
+            out[b.prefix] = build_group(store, b, grank, device=self.device, backend=self.backend,
+                                        timeout=self.T.collective_timeout_s,
+                                        gloo_threads=self.cfg.comm.gloo_threads, iface=self.iface,
+                                        abandon=abandon)
+        return out
+
+    def plan_builds(self, plan: SwapPlan, joiner: bool) -> list[GroupBuild]:
+        """This rank's part of `plan`: its rebuilt groups, plus the transfer links it sends on
+        (src_rank is ours; in a planned swap only the current holder, not the joiner) or
+        receives on (the joiner of that rank)."""
+        links = [GroupBuild(f"xfer{t.rank}", (t.src_rank, t.rank), t.prefix) for t in plan.transfers
+                 if (t.rank == self.rank if joiner else t.src_rank == self.rank)]
+        if not joiner and self.rank in plan.ranks:
+            return links          # a leaver's rank is the joiner's in the new groups
+        return [b for b in plan.builds if self.rank in b.members] + links
+
+    def install(self, built: dict[str, Group]) -> None:
+        """Swap the rebuilt groups in (a pointer change); the old instances go to the reaper."""
+        self.reaper.drop(self.table.swap({g.id: g for g in built.values() if not is_link(g)}))
+
+    def _on_prepare(self, msg: Prepare) -> None:
+        if self.rank is not None:
+            threading.Thread(target=self._phase1, args=(msg.plan,), name="tm-phase1", daemon=True).start()
+
+    def _phase1(self, plan: SwapPlan) -> None:
+        """Planned swap, phase 1, on a background thread while training continues: build the new
+        instances of this rank's affected groups and the leaver's transfer link."""
+        mine = self.plan_builds(plan, joiner=False)
+        if not mine:
+            return
+        t0 = time.perf_counter()
+        built: dict[str, Group] = {}
+        try:
+            self.build(self.store_client(self.T.phase1_timeout_s), mine, out=built, plan_id=plan.id)
+        except Exception as e:
+            self.reaper.drop(built.values())
+            self.report("prepare_failed", self.step, plan=plan.id, error=f"{type(e).__name__}: {e}"[:300])
+            return
+        if plan.id in self.inbox.cancelled:
+            self.reaper.drop(built.values())
+            return
+        self.prepared[plan.id] = built
+        self.report("ready", self.step, plan=plan.id, build_s=time.perf_counter() - t0,
+                    groups=sorted(g.id for g in built.values()))
+
+    # ------------------------------------------------------------ state
+    def apply(self, step: int) -> None:
+        """The optimizer step of a committed step (only ever under a commit decision)."""
+        st = self.state
+        if st.optimizer is not None:
+            st.optimizer.step()
+        if st.scheduler is not None:
+            st.scheduler.step()
+        self.committed = step
+
+    def checkpoint(self, next_step: int, reason: str, writer: bool | None = None) -> None:
+        t0 = time.perf_counter()
+        path = ckpt.save(ckpt.root(self.cfg, self.job_dir), next_step, self.rank, self.topo,
+                         self.state, writer=writer)
+        self.report("checkpoint", next_step, reason=reason, path=str(path) if path else None,
+                    save_s=time.perf_counter() - t0)
+
+
+def exit_clean(code: int = 0) -> None:
+    """Leave without running interpreter teardown (gloo threads, the store): what had to be said
+    has been said, and teardown after a failure can hang on a dead peer."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
