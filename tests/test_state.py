@@ -5,8 +5,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import pytest
-
 from tm_slurm.comm.sealed import SealedStore
 from tm_slurm.control.auth import AuthError, Keys, Sealer
 from tm_slurm.messages import GroupBuild

@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 
 from . import runs
+from .frames import frame_costs
+from .frames import table as frames_table
 from .metrics import summary
 
 
@@ -37,8 +39,6 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from .frames import frame_costs
-    from .frames import table as frames_table
     if args.frames:
         costs = frame_costs()
         print(json.dumps(costs, indent=1) if args.json else frames_table(costs))

@@ -26,7 +26,7 @@ from ..control import auth
 from ..control import mpi as mpictl
 from ..events import EventLog
 from ..exits import Exit
-from ..messages import (Aborted, AgentBye, Fence, GroupBuild, Heartbeat, Hello, Launch, Ping, Report, Shutdown,
+from ..messages import (Aborted, AgentBye, Fence, GroupBuild, Heartbeat, Launch, Ping, Report, Shutdown,
                         Signalled, SwapPlan, WorkerExited, WorkerReport, WorkerSuspect)
 from ..planner import initial_builds, plan_planned
 from ..roles import JobState, JobStatus, NodeTable, Role
