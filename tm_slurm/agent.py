@@ -319,10 +319,11 @@ def on_sigterm(agent: Agent) -> None:
     """The first SIGTERM (Slurm's time limit or scancel, KillWait before SIGKILL) goes to the
     controller, which writes a checkpoint in that window; the workers ignore it. A second one, or
     one before the controller could be told, ends the node now."""
-    if agent.sigterm or agent.launch is None:
+    if agent.launch is None:
         agent.kill_workers()
         os._exit(143)
-    agent.sigterm = 1
+    if not agent.sigterm:
+        agent.sigterm = 1
 
 
 def main(job_dir: str, node: str, hb_interval: float, admit_timeout: float,

@@ -32,9 +32,10 @@ def doc_commands() -> list[str]:
 
 def as_tested(line: str, **subst: str) -> list[str]:
     sets = " ".join(f"--set {s}" for s in [*ROBUST, f"timeouts.controller_timeout_s={CONTROLLER_TIMEOUT}"])
-    assert "tm-slurm run " in line and f"--steps {STEPS}" in line, line
+    steps = re.search(r"--steps \d+", line)
+    assert "tm-slurm run " in line and steps, line
     line = line.replace("tm-slurm run ", f"tm-slurm run {sets} ")
-    line = line.replace(f"--steps {STEPS}", f"--steps {STEPS} {' '.join(TINY)}")
+    line = line.replace(steps.group(0), f"{steps.group(0)} {' '.join(TINY)}")
     for k, v in subst.items():
         line = line.replace(f"<{k}>", v)
     return shlex.split(line)
@@ -107,7 +108,7 @@ def _env(pid: int) -> dict[bytes, bytes]:
 def test_salloc_drain_crash_status_ctrl_c_then_resume_on_node1(healthy_cluster, reference, tmp_path):
     mc = healthy_cluster
     ref = reference(STEPS)
-    first, resume, unreachable = doc_commands()
+    first, resume, unreachable, _ = doc_commands()
     runs: list[Salloc] = []
     try:
         # 1. the controller on the submit host (the head's network namespace: no node name resolves)
@@ -172,3 +173,26 @@ def test_salloc_drain_crash_status_ctrl_c_then_resume_on_node1(healthy_cluster, 
         mc.cancel_jobs()
         for r in runs:
             shutil.rmtree(r.job.dir, ignore_errors=True)
+
+
+def test_time_limit_sigterm_checkpoints_within_killwait(healthy_cluster, tmp_path):
+    """No --signal: at the time limit Slurm SIGTERMs every step's processes and SIGKILLs them
+    KillWait later (5 s here). The agents pass the SIGTERM on, the workers ignore it, and the
+    controller (on the submit host, where no signal comes) has the current step checkpointed."""
+    *_, limited = doc_commands()
+    run = Salloc(healthy_cluster, as_tested(limited), tmp_path / "t.out")
+    try:
+        assert run.wait(150) == 75, run.out.read_text()[-2000:]
+        job = run.job
+        told = job.seen("node_signalled")
+        assert told and told["signal"] == "SIGTERM"
+        assert job.seen("signal", signal="SIGTERM")["action"] == "checkpoint_exit"
+        saved = job.seen("checkpoint_saved", reason="time limit (SIGTERM)")
+        assert saved, "no checkpoint in the KillWait window"
+        assert job.seen("job_end")["state"] == "REQUEUED"
+        print(f"\n[time limit] SIGTERM -> checkpoint of step {saved['step']} "
+              f"{saved['ts'] - told['ts']:.2f}s later; last process gone {none_left(job.dir):.1f}s after the exit")
+    finally:
+        run.close()
+        healthy_cluster.cancel_jobs()
+        shutil.rmtree(run.job.dir, ignore_errors=True)
