@@ -10,10 +10,10 @@ import time
 from typing import Callable
 
 from ..control.wire import Wire
+from ..exits import Exit
 from ..messages import (Beat, CancelPlan, Checkpoint, Prepare, Recover, Report, Resume, Stop,
                         WriteCheckpoint)
 
-EXIT_AGENT_GONE = 70
 
 
 class Inbox:
@@ -37,7 +37,7 @@ class Inbox:
 
     def send(self, report: Report) -> None:
         if not self.wire.send(report):
-            os._exit(EXIT_AGENT_GONE)
+            os._exit(Exit.AGENT_GONE)
 
     def progress(self, entry: tuple) -> None:
         with self._plock:
@@ -52,7 +52,7 @@ class Inbox:
             try:
                 msg = self.wire.recv()
             except (EOFError, OSError):
-                os._exit(EXIT_AGENT_GONE)
+                os._exit(Exit.AGENT_GONE)
             if isinstance(msg, (Prepare, Recover)):
                 self.plans[msg.plan.id] = msg.plan
                 joiner = self.node in msg.plan.joiners and not self.promoted

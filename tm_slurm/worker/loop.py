@@ -23,10 +23,10 @@ from ..control.auth import Keys, Sealer
 from ..control.wire import Wire
 from ..data import key
 from ..events import fsync_write
+from ..exits import Exit
 from ..messages import Crashed, SwapPlan
 from . import checkpoint as ckpt
 from . import lost, promote
-from .inbox import EXIT_AGENT_GONE
 from .rank import BuildFn, StepFn, Worker, exit_clean, is_link
 from .sandbox import Recorder
 from .state import digest, nbytes, send_state
@@ -181,4 +181,4 @@ def run(build: BuildFn, step: StepFn, steps: int) -> None:
         traceback.print_exc()
         wire.send(Crashed(-1, None, None, error=traceback.format_exc()[-2000:]))
         os._exit(1)
-    os._exit(EXIT_AGENT_GONE)  # unreachable: train() always exits the process
+    os._exit(Exit.AGENT_GONE)  # unreachable: train() always exits the process

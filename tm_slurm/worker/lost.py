@@ -15,11 +15,11 @@ from pathlib import Path
 
 from .. import jobdir
 from ..events import fsync_write
+from ..exits import Exit
 from ..messages import Checkpoint, LostState
 from . import checkpoint as ckpt
 from .rank import exit_clean
 
-EXIT_CONTROLLER_LOST = 75
 
 
 def lost_dir(job_dir: Path) -> Path:
@@ -40,7 +40,7 @@ def controller_lost(w, pending: int | None, error) -> None:
                 break
         if not isinstance(msg, Checkpoint):
             w.report("store_lost", pending, error=str(error)[:300])
-            exit_clean(3)
+            exit_clean(Exit.GAVE_UP)
     d = lost_dir(w.job_dir)
     me = LostState(w.rank, w.node, w.committed, pending, ckpt.shard_name(w.topo, w.rank))
     fsync_write(d / f"rank{w.rank}.json", w.transfer_sealer().seal(me))
@@ -51,17 +51,17 @@ def controller_lost(w, pending: int | None, error) -> None:
     peers = _peers(w, d)
     k = max((p.committed for p in peers if p.committed is not None), default=None)
     if k is None:
-        exit_clean(EXIT_CONTROLLER_LOST)
+        exit_clean(Exit.REQUEUE)
     if w.committed == k - 1 and pending == k:
         w.apply(k)                       # K committed (someone saw it): catch up
     if w.committed != k:
-        exit_clean(EXIT_CONTROLLER_LOST)
+        exit_clean(Exit.REQUEUE)
     able = sorted(p.rank for p in peers if p.shard == me.shard and
                   (p.committed == k or (p.committed == k - 1 and p.pending == k)))
     if able and able[0] == w.rank:
         ckpt.save(ckpt.root(w.cfg, w.job_dir), k + 1, w.rank, w.topo, w.state, writer=True)
     fsync_write(d / f"rank{w.rank}.done", b"")
-    exit_clean(EXIT_CONTROLLER_LOST)
+    exit_clean(Exit.REQUEUE)
 
 
 def _peers(w, d: Path) -> list[LostState]:

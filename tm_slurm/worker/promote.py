@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 
 from ..comm import vote as votes
+from ..exits import Exit
 from ..messages import CancelPlan, Checkpoint, Prepare, Recover, Resume, Stop, WriteCheckpoint
 from . import checkpoint as ckpt
 from . import lost, sandbox
 from .rank import BuildFn, StepFn, Worker, exit_clean, is_link
 from .state import recv_state, send_state
 
-EXIT_FENCED = 71
 
 
 class _Again(Exception):
@@ -149,7 +149,7 @@ def recover(w: Worker, step: int, d: votes.Decision) -> int:
             msg = w.inbox.recoveries.get(timeout=max(0.01, deadline - time.monotonic()))
         except queue.Empty:
             w.report("recovery_timeout", step)
-            os._exit(3)
+            os._exit(Exit.GAVE_UP)
         if isinstance(msg, Stop):
             exit_clean()
         if isinstance(msg, Checkpoint):
@@ -158,7 +158,7 @@ def recover(w: Worker, step: int, d: votes.Decision) -> int:
             w.reaper.drop(built.values())
             plan, built = msg.plan, {}
             if w.rank in plan.ranks:
-                os._exit(EXIT_FENCED)      # our slot was given away: this process is fenced
+                os._exit(Exit.FENCED)      # our slot was given away: this process is fenced
             t0 = time.perf_counter()
             try:
                 w.build(w.store_client(w.T.rebuild_timeout_s),
