@@ -98,6 +98,7 @@ class Controller:
         self.records = Records(self)
         self.time_limit_signal = False
         self.signals: list[int] = []     # received, not yet acted on (a node's SIGTERM too: Signalled)
+        self.requeue_wanted = True       # a REQUEUED end runs again, unless a signal said otherwise
         self.intake = Intake(self.log.emit)
         self.pool = Pool(self)
 
@@ -467,7 +468,11 @@ class Controller:
         why = {"SIGINT": "interrupted (SIGINT)"}.get(sig.name, f"time limit ({sig.name})")
         if not self.time_limit_signal:
             self.time_limit_signal = True
-            self.log.emit("signal", signal=sig.name, action="checkpoint_exit")
+            # only sbatch --signal=B:USR1@T asks to run again: Slurm 22.05's SIGTERM at a time
+            # limit looks the same as scancel's (JobState COMPLETING), and a cancelled job that
+            # requeues itself is worse than a timed-out one resumed by hand (--resume)
+            self.requeue_wanted = sig == signal.SIGUSR1
+            self.log.emit("signal", signal=sig.name, action="checkpoint_exit", requeue=self.requeue_wanted)
             self.handle_request(Request("checkpoint", None, why, time.time(), os.getuid(), "", {"exit": True}))
         elif sig == signal.SIGINT:
             self.log.emit("signal", signal=sig.name, action="stop_now")
@@ -560,7 +565,7 @@ class Controller:
                 self.watcher.stop()
             self.launcher.stop_all(grace=2.0)
             self.port.close()
-            if self.job.state == JobState.REQUEUED and self.cfg.slurm.requeue_on_exit:
+            if self.job.state == JobState.REQUEUED and self.cfg.slurm.requeue_on_exit and self.requeue_wanted:
                 self._requeue()
         return self.exit_code
 

@@ -105,11 +105,6 @@ class SlurmLauncher:
         return f"released: job now on {len(keep)} nodes"
 
     def requeue(self) -> None:
-        """Run the job again, unless its user cancelled it: `scancel` SIGTERMs the steps like a
-        time limit does, and Slurm would requeue even a cancelled batch job."""
-        info = self.backend.job(self.job_id)
-        if info is not None and info.state.startswith("CANCELLED"):
-            raise RuntimeError(f"not requeued: job {self.job_id} was cancelled (state {info.state})")
         self.backend.requeue(self.job_id)
 
     def stop_all(self, grace: float = 5.0) -> None:
