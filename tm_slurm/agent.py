@@ -317,8 +317,9 @@ class Agent:
 
 def on_sigterm(agent: Agent) -> None:
     """The first SIGTERM (Slurm's time limit or scancel, KillWait before SIGKILL) goes to the
-    controller, which writes a checkpoint in that window; the workers ignore it. A second one, or
-    one before the controller could be told, ends the node now."""
+    controller, which writes a checkpoint in that window; the workers ignore it. Later ones are
+    the same event again (hydra's mpiexec forwards the step's SIGTERM too): the agent stays until
+    the controller ends it or SIGKILL comes. One before the agent was launched ends the node now."""
     if agent.launch is None:
         agent.kill_workers()
         os._exit(143)

@@ -33,21 +33,9 @@ def read(job: Path) -> dict:
 
 
 def mpi(port: str, marker: str) -> dict:
-    import mpi4py
-    mpi4py.rc.finalize = False
-    import time
-
-    from mpi4py import MPI
-    end = time.monotonic() + 120
-    while True:                 # as an agent does: a Connect the controller is not accepting yet
-        try:                    # gives up with EAGAIN, and is simply tried again
-            comm = MPI.COMM_SELF.Connect(port)
-            break
-        except MPI.Exception:
-            if time.monotonic() > end:
-                raise
-            time.sleep(0.05)
-    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    from tm_slurm.control import mpi as mpictl
+    MPI = mpictl.mpi()
+    comm = mpictl.connect(port, timeout=120).comm     # raw frames from here: no sealer
     evil = pickle.dumps(Payload(marker))
     for frame in (evil, b"\x00" * 32 + evil, b"x" * 100):
         comm.Send([bytearray(frame), MPI.BYTE], dest=0, tag=7)

@@ -96,9 +96,9 @@ class Channel:
 
     TAG = 7
 
-    def __init__(self, comm, sealer: Sealer | None = None):
+    def __init__(self, comm):
         self.comm = comm
-        self.sealer = sealer
+        self.sealer: Sealer | None = None     # set by whoever authenticates the link
         self.refused = 0
         self.refused_why = ""
         self._pending: list = []

@@ -286,8 +286,7 @@ class Controller:
         elif isinstance(m, Signalled):
             # Slurm signals the steps, not a controller on a login host: the job's time limit
             self.log.emit("node_signalled", node=node, signal=m.signal)
-            self.signals.append(signal.Signals[m.signal] if m.signal in signal.Signals.__members__
-                                else signal.SIGTERM)
+            self.signals.append(signal.Signals.__members__.get(m.signal, signal.SIGTERM))
 
     def _report(self, node: str, local: int, rep: Report) -> None:
         handler = ON_REPORT.get(type(rep))
