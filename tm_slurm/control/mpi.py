@@ -29,6 +29,7 @@ MPI_ENV = "TM_SLURM_MPIEXEC"      # set inside the wrapper so we do not wrap twi
 # 20 ms when the job just trains (1 ms polling costs a Python process ~5% of a core, which a
 # small node takes from training)
 POLL_BUSY_S, POLL_IDLE_S, BUSY_FOR_S = 0.001, 0.02, 1.0
+INJECT_BYTES = 16 << 10
 
 _MPI = None
 
@@ -78,6 +79,13 @@ def mpi_env(env: dict[str, str] | None = None, extra: dict[str, str] | None = No
     # ~1 s of retries (~45 us each here) before a send to a dead peer fails instead of hanging
     e.setdefault("MPIR_CVAR_CH4_OFI_MAX_EAGAIN_RETRY", "20000")
     e.setdefault("MPIR_CVAR_CH4_COMM_CONNECT_TIMEOUT", "10")  # an agent dying mid-join: bounded Accept
+    # A send still in flight when its peer dies with unread data (a SIGSTOPped node that is then
+    # fenced, an agent killed right after a message to it) ends in a "connection reset" error on
+    # the completion queue, which MPICH treats as fatal whatever the error handler: the survivor
+    # aborts, the controller with it. A frame up to the inject size is buffered by the provider and
+    # complete at once, so no request is left to fail; 16 KiB holds every frame but the largest
+    # Launch (`tm-slurm bench --frames`; tests/procs/test_links.py shows the abort without this).
+    e.setdefault("FI_TCP_MAX_INJECT", str(INJECT_BYTES))
     return e
 
 
@@ -127,7 +135,11 @@ class Channel:
 
     def _reap(self) -> None:
         if self._pending:
-            self._pending = [(r, b) for r, b in self._pending if not r.Test()]
+            try:
+                self._pending = [(r, b) for r, b in self._pending if not r.Test()]
+            except mpi().Exception:
+                self.broken = True
+                self.abandon()
 
     def poll(self, limit: int = 64) -> list[Any]:
         """Messages that have arrived, without blocking."""
@@ -137,7 +149,12 @@ class Channel:
         out = []
         status = MPI.Status()
         for _ in range(limit):
-            m = self.comm.improbe(source=0, tag=self.TAG, status=status)
+            try:
+                m = self.comm.improbe(source=0, tag=self.TAG, status=status)
+            except MPI.Exception:
+                self.broken = True
+                self.abandon()
+                return out
             if m is None:
                 break
             n = status.Get_count(MPI.BYTE)
