@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -300,3 +303,54 @@ def test_evacuate_cli_exit_codes_and_json(tmp_path, monkeypatch, capsys):
     assert rc == 1 and "node4: MIXED+DRAIN (not drained yet)" in out.out
     rc, out = run("node7", "--reason", "maint", "--deadline", "0")
     assert rc == 2 and "unknown node(s) node7" in out.err
+
+
+# ---------------------------------------------------------------- a user's hostile job directory
+
+def test_root_reads_a_users_job_files_without_following_links_or_blocking(tmp_path):
+    job = tm_job(tmp_path, "7", ["n1"], roles={"n1": "ACTIVE"})
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({"nodes": {"n9": {"role": "ACTIVE"}}}))
+    status = jobdir.status_file(job.job_dir)
+    status.unlink()
+    status.symlink_to(secret)                                  # a link to something else
+    assert admin_jobs.job_nodes(job.job_dir) == set()
+    status.unlink()
+    os.mkfifo(status)                                          # a plain read would wait forever
+    assert admin_jobs.job_nodes(job.job_dir) == set()
+    status.unlink()
+    status.write_text('{"nodes": [1]}')                        # JSON, not what the runtime writes
+    assert admin_jobs.job_nodes(job.job_dir) == set()
+    ev_file = jobdir.events_file(job.job_dir)
+    ev_file.write_text('[1]\n"x"\n{"kind": "swap_done", "node": "n1"}\n' + "[" * 5000 + "\n")
+    evs, off = ev.read_new_events(job.job_dir, 0)
+    assert evs == [{"kind": "swap_done", "node": "n1"}] and off == ev_file.stat().st_size
+
+
+def test_a_job_whose_inbox_is_a_link_is_not_written_into(tmp_path):
+    job = tm_job(tmp_path, "8", ["n1"])
+    inbox = jobdir.requests_dir(job.job_dir)
+    elsewhere = tmp_path / "etc"
+    elsewhere.mkdir()
+    inbox.rmdir()
+    inbox.symlink_to(elsewhere)
+    assert job.job_dir is None                                 # not taken for a tm_slurm job
+    with pytest.raises(OSError):
+        admin_jobs.userfiles.write_request(tmp_path / "tm_slurm_jobs" / "8", "x.json", b"{}")
+    assert list(elsewhere.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="root drops to the job directory's owner")
+def test_root_writes_a_request_as_the_job_directorys_owner():
+    base = Path(tempfile.mkdtemp(prefix="tm-admin-"))        # pytest's tmp is root's alone
+    try:
+        os.chmod(base, 0o755)
+        job = tm_job(base, "9", ["n1"])
+        os.chmod(base / "tm_slurm_jobs", 0o755)
+        for p in (job.job_dir, job.job_dir / "control", jobdir.requests_dir(job.job_dir)):
+            os.chown(p, 65534, 65534)
+        (name,) = admin_jobs.ask(job, "drain", ["n1"], "maintenance", "evacuate")
+        f = jobdir.requests_dir(job.job_dir) / name
+        assert f.stat().st_uid == 65534 and json.loads(f.read_text())["node"] == "n1"
+    finally:
+        shutil.rmtree(base)

@@ -84,3 +84,31 @@ def test_example_config_loads():
     from pathlib import Path
     cfg = C.load(Path(__file__).parent.parent / "sbatch" / "example.yaml")
     assert cfg.layout.world == 4 and cfg.standby.count == 1
+
+
+BAD_RUNS = [
+    (["--set", "timeouts.heartbeat_timeout_s=nan"], "timeouts.heartbeat_timeout_s must be a finite number"),
+    (["--set", "timeouts.vote_timeout_s=inf"], "timeouts.vote_timeout_s must be a finite number"),
+    (["--set", "timeouts.fence_grace_s=-1"], "timeouts.fence_grace_s must be > 0"),
+    (["--set", "comm.gloo_threads=0"], "comm.gloo_threads must be >= 1, got 0"),
+    (["--set", "straggler.window_steps=0"], "straggler.window_steps must be >= 1, got 0"),
+    (["--set", "slurm.poll_interval_s=-0.5"], "slurm.poll_interval_s must be > 0, got -0.5"),
+    (["--set", "standby.wait_s=-inf"], "standby.wait_s must be a finite number"),
+    (["--set", "straggler.margin=0"], "straggler.margin must be > 0, got 0.0"),
+    (["--set", "checkpoint.keep=0"], "checkpoint.keep must be >= 1, got 0"),
+    (["--set", "seed=-3"], "seed must be >= 0, got -3"),
+]
+
+
+@pytest.mark.parametrize("local,extra,needle", [
+    ("4+-1", [], "--local expects ACTIVE+STANDBY with ACTIVE >= 1 and STANDBY >= 0"),
+    ("0+1", [], "ACTIVE >= 1"),
+    ("x+1", [], "got 'x+1'"),
+    *[("4+1", e, n) for e, n in BAD_RUNS]])
+def test_tm_slurm_run_refuses_a_bad_value_before_anything_starts(tmp_path, monkeypatch, capsys, local, extra, needle):
+    from tm_slurm.cli import build_parser
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(["run", "--local", local, *extra, "--", "python", "-c", "pass"])
+    rc = args.fn(args)        # what `tm-slurm run` calls, after main's faulthandler set-up
+    assert rc == 2 and needle in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []          # no job directory, nothing started

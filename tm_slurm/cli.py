@@ -13,14 +13,6 @@ from .findjob import find_job
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
-def _parse_local(spec: str) -> tuple[int, int]:
-    try:
-        a, _, k = spec.partition("+")
-        return int(a), int(k or 0)
-    except ValueError:
-        raise SystemExit(f"--local expects ACTIVE+STANDBY, e.g. 4+1; got {spec!r}") from None
-
-
 def load_config(args) -> cfgmod.Config:
     overrides = dict(cfgmod.parse_override(s) for s in (args.set or []))
     for flag, key in (("dp", "layout.dp"), ("pp", "layout.pp"), ("tp", "layout.tp"),

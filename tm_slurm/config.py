@@ -6,6 +6,7 @@ before anything starts, each naming the key and what would be valid.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,6 +131,16 @@ class Straggler:
     window_steps: int = 20                  # ... over this many consecutive steps
 
 
+# every numeric key but the layout's (checked first, they divide) and the timeouts (their own
+# order); floats are finite by then (_coerce)
+RANGES: dict[str, tuple[str, float]] = {
+    "standby.count": (">=", 0), "standby.sandbox_steps": (">=", 1), "standby.wait_s": (">=", 0),
+    "standby.replenish_target": (">=", 0), "checkpoint.every_steps": (">=", 0),
+    "checkpoint.keep": (">=", 1), "comm.gloo_threads": (">=", 1),
+    "slurm.poll_interval_s": (">", 0), "slurm.maint_horizon_s": (">=", 0),
+    "straggler.margin": (">", 0), "straggler.window_steps": (">=", 1), "seed": (">=", 0)}
+
+
 @dataclass(frozen=True)
 class Config:
     layout: Layout = field(default_factory=Layout)
@@ -164,12 +175,11 @@ class Config:
         for key, (val, ok) in choices.items():
             if val not in ok:
                 raise ConfigError(f"{key} must be one of {', '.join(ok)}; got {val!r}")
-        if self.standby.count < 0:
-            raise ConfigError(f"standby.count must be >= 0, got {self.standby.count}")
-        if self.checkpoint.every_steps < 0 or self.checkpoint.keep < 1:
-            raise ConfigError("checkpoint.every_steps must be >= 0 and checkpoint.keep >= 1")
-        if not 0 < self.straggler.margin:
-            raise ConfigError("straggler.margin must be > 0")
+        for key, (op, bound) in RANGES.items():
+            section, _, name = key.rpartition(".")
+            val = getattr(getattr(self, section) if section else self, name)
+            if not (val >= bound if op == ">=" else val > bound):
+                raise ConfigError(f"{key} must be {op} {bound}, got {val}")
 
     def active_nodes(self) -> int:
         return self.layout.world // self.layout.ranks_per_node
@@ -218,9 +228,12 @@ def _coerce(path: str, typ: Any, value: Any) -> Any:
         if isinstance(value, bool):
             raise ConfigError(f"{path} must be a number, got {value!r}")
         try:
-            return float(value)
+            f = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{path} must be a number, got {value!r}") from None
+        if not math.isfinite(f):
+            raise ConfigError(f"{path} must be a finite number, got {value!r}")
+        return f
     if typ is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(f"{path} must be a string, got {value!r}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-JOBS_ROOT = "tm_slurm_jobs"
+JOBS_ROOT = "tm_slurm_jobs"          # under a job's working directory (admin/jobs.py finds jobs by it too)
 
 
 def find_job(arg: str | None) -> Path:

@@ -65,6 +65,11 @@ def requests_dir(job: Path) -> Path:
     return _d(Path(job) / "control" / "requests")
 
 
+def refused_dir(job: Path) -> Path:
+    """Request files the controller refused, moved out of the inbox (controller/requests.py)."""
+    return _d(Path(job) / "control" / "refused")
+
+
 def log_dir(job: Path) -> Path:
     return _d(Path(job) / "logs")
 

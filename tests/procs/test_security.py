@@ -1,5 +1,7 @@
 """Another user of the cluster attacks a running job with everything a stranger can reach
-(issue: control plane v2). Runs as root: the stranger is a real unprivileged user made here."""
+(issue: control plane v2), and the job's own user drops every malformed request file it could
+(hostile input: controller/requests.py). Runs as root: the stranger is a real unprivileged user
+made here."""
 from __future__ import annotations
 
 import json
@@ -20,6 +22,7 @@ from tm_slurm import jobdir
 from tm_slurm.control import mpi as mpictl
 
 from ..jobs import SIDE, run_job
+from ..test_requests import BAD
 
 pytestmark = pytest.mark.procs
 STEPS = 150
@@ -92,6 +95,21 @@ def _job_processes(job: Path) -> dict[str, tuple[str, dict]]:
     return out
 
 
+def drop_bad_requests(job: Path) -> None:
+    """Everything tests/test_requests.py refuses, at once, into a running job's inbox, by a user
+    it accepts requests from; plus a FIFO, a link to a valid request, a directory and a file far
+    over the size cap (sparse)."""
+    d = jobdir.requests_dir(job)
+    for name, (body, _) in BAD.items():
+        (d / name).write_bytes(body if isinstance(body, bytes) else json.dumps(body).encode())
+    os.mkfifo(d / "fifo.json")
+    (job / "stop.txt").write_text(json.dumps({"verb": "stop"}))
+    os.symlink(job / "stop.txt", d / "link.json")
+    (d / "dir.json").mkdir()
+    with open(d / "huge.json", "wb") as f:
+        f.truncate(1 << 30)
+
+
 def test_a_stranger_can_neither_read_nor_steer_nor_run_code_in_a_job(stranger, reference):
     base = Path(tempfile.mkdtemp(prefix="tm-security-"))
     os.chmod(base, 0o755)                      # only the job directory's own mode keeps others out
@@ -123,7 +141,7 @@ def test_a_stranger_can_neither_read_nor_steer_nor_run_code_in_a_job(stranger, r
     t = threading.Thread(target=attack, name=SIDE, daemon=True)
     t.start()
     try:
-        ran = run_job(base, "4+1", STEPS, [(12, "drain", "node2")],
+        ran = run_job(base, "4+1", STEPS, [(6, drop_bad_requests, "-"), (12, "drain", "node2")],
                       sets=["standby.replenish=true", "standby.replenish_target=1"])
         t.join(30)
         print(f"\n[security] seen: { {k: v for k, v in seen.items() if k not in ('procs', 'secret')} }")
@@ -155,8 +173,14 @@ def test_a_stranger_can_neither_read_nor_steer_nor_run_code_in_a_job(stranger, r
         # everything the runtime writes is private (torch's own compile cache aside: it keeps
         # the training processes' umask, behind the job directory's 0700)
         ours = {f: m for f, m in modes.items() if "inductor" not in f.relative_to(job).parts[:1]
-                and f != jobdir.requests_dir(job)}     # 1733, for root and SlurmUser's requests
+                and f != jobdir.requests_dir(job)      # 1733, for root and SlurmUser's requests
+                and "refused" not in f.relative_to(job).parts[1:2] and f.name != "stop.txt"}
         assert all(m & 0o077 == 0 for m in ours.values()), {str(f): oct(m) for f, m in ours.items() if m & 0o077}
+        # hostile request files: every one refused and moved aside, none ended or stalled the job
+        bad = ran.kinds("request_refused")
+        assert bad and not os.listdir(jobdir.requests_dir(job)), bad
+        assert len(os.listdir(job / "control" / "refused")) == len(BAD) + 4
+        assert [e["verb"] for e in ran.kinds("request")] == ["drain"]
         print(f"\n[security] {len(refused)} auth_refused: {[r['why'] for r in refused][:3]}; stranger's reads: "
               f"{sorted(set(seen['read'].values()))}; store keys written {seen['store']['written']}")
     finally:

@@ -18,10 +18,12 @@ from pathlib import Path
 
 from .. import jobdir
 from ..slurm import SlurmError, backend_for, hostlist
+from . import userfiles
 from .jobs import RunningJob, affected, ask, privilege_note, running_jobs
 
 POLL_S = 0.25           # events and node states
 SQUEUE_EVERY_S = 1.0    # the allocation check is the fallback to the events: one squeue a second
+EVENTS_PER_POLL = 1 << 20
 
 # per (job, node): where the move stands; the job is off the node only in a DONE one
 MOVED_OFF = "moved_off"
@@ -53,21 +55,24 @@ class Tracked:
     stall_s: dict[str, float] = field(default_factory=dict)
 
 
-def read_new_events(path: Path, offset: int) -> tuple[list[dict], int]:
-    """Complete lines of events.jsonl after `offset` (a line being written is left for later)."""
+def read_new_events(job_dir: Path, offset: int) -> tuple[list[dict], int]:
+    """Complete lines of the job's events.jsonl after `offset`, at most EVENTS_PER_POLL bytes
+    (a line being written is left for later; a line that is not an event object is skipped)."""
     try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
+        data = userfiles.read(job_dir, jobdir.events_file(job_dir).name, EVENTS_PER_POLL, offset)
     except OSError:
         return [], offset
     end = data.rfind(b"\n") + 1
+    if end == 0 and len(data) == EVENTS_PER_POLL:
+        end = len(data)             # one line longer than a poll's read: no event of ours, skip it
     out = []
     for line in data[:end].splitlines():
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
+            e = json.loads(line)
+        except (ValueError, RecursionError):
             continue
+        if isinstance(e, dict):
+            out.append(e)
     return out, offset + end
 
 
@@ -144,7 +149,7 @@ class Evacuation:
     def poll(self) -> bool:
         """Refresh everything once; True when all is done."""
         for t in self.tracked.values():
-            evs, t.offset = read_new_events(jobdir.events_file(t.job.job_dir), t.offset)
+            evs, t.offset = read_new_events(t.job.job_dir, t.offset)
             for e in evs:
                 apply_event(t, e, self.t0 - 0.5)
         pending = [t for t in self.tracked.values() if any(m.status not in DONE for m in t.moves.values())]

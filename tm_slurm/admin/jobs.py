@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import jobdir
-from ..controller.requests import slurm_user_uid, submit
+from ..controller.requests import request_file, slurm_user_uid
+from ..findjob import JOBS_ROOT
 from ..slurm import SlurmError, hostlist
+from . import userfiles
 
-JOBS_ROOT = "tm_slurm_jobs"
+MAX_STATUS = 16 << 20          # status.json of a job of thousands of nodes
 # roles in which a node still belongs to a tm_slurm job (status.json), whatever Slurm says
 LIVE_ROLES = frozenset({"ACTIVE", "STANDBY", "JOINING", "LEAVING"})
 
@@ -35,7 +37,11 @@ class RunningJob:
         if not self.workdir:
             return None
         d = Path(self.workdir) / JOBS_ROOT / self.job_id
-        return d if (d / "control" / "requests").is_dir() else None
+        try:
+            os.close(userfiles.open_dir(d, "control", "requests"))
+        except OSError:
+            return None
+        return d
 
 
 Runner = Callable[..., subprocess.CompletedProcess]
@@ -82,10 +88,10 @@ def job_nodes(job_dir: Path, roles: frozenset[str] = LIVE_ROLES) -> set[str]:
     0.25 s). Slurm drops a DOWN node from a --no-kill job at once, so its allocation may not
     show a node the job still has."""
     try:
-        st = json.loads(jobdir.status_file(job_dir).read_text())
-    except (OSError, json.JSONDecodeError):
-        return set()
-    return {n for n, v in (st.get("nodes") or {}).items() if v.get("role") in roles}
+        st = json.loads(userfiles.read(job_dir, jobdir.status_file(job_dir).name, MAX_STATUS))
+        return {n for n, v in st["nodes"].items() if v["role"] in roles}
+    except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError):
+        return set()        # not there, or not what the runtime writes: Slurm's view alone
 
 
 def affected(jobs: Sequence[RunningJob], nodes: Sequence[str],
@@ -105,7 +111,12 @@ def affected(jobs: Sequence[RunningJob], nodes: Sequence[str],
 
 def ask(job: RunningJob, verb: str, nodes: Sequence[str], reason: str, source: str) -> list[str]:
     """Drop one request per node into a tm_slurm job's inbox; returns the file names."""
-    return [submit(job.job_dir, verb, n, reason, source=source).name for n in nodes]
+    names = []
+    for n in nodes:
+        name, body = request_file(verb, n, reason, source=source)
+        userfiles.write_request(job.job_dir, name, body)
+        names.append(name)
+    return names
 
 
 def privilege_note() -> str | None:

@@ -11,6 +11,7 @@ from typing import Callable, Mapping
 from ..messages import Move
 from ..planner import check_drain, choose_joiner
 from ..roles import Node, Role
+from ..slurm.classify import CLEARED
 from .requests import Request
 
 
@@ -54,12 +55,13 @@ class Intake:
         self.wanted_drains: dict[str, Request] = {}
         self.deferred_drains: set[str] = set()
         self.wanted_checkpoint: Request | None = None
-        self._last_watch_error: str | None = None
+        self._last_watch_error: tuple[str, str] | None = None
 
     # ------------------------------------------------------------ sources
     def requests(self, ok: list[Request], refused, nodes: Mapping[str, Node]) -> list[Decision]:
-        for name, uid, why in refused:
-            self.log("request_refused", file=name, uid=uid, why=why)
+        for r in refused:
+            self.log("request_refused", file=r.file, uid=r.uid, why=r.why,
+                     **({"count": r.count} if r.count > 1 else {}))
         out = []
         for r in ok:
             self.log("request", verb=r.verb, node=r.node, reason=r.reason, uid=r.uid,
@@ -68,12 +70,15 @@ class Intake:
         return out
 
     def watcher(self, evs, errs, nodes: Mapping[str, Node]) -> list[Decision]:
-        for e in errs:
-            if e != self._last_watch_error:
-                self.log("slurm_query_failed", error=e[:500])
-            self._last_watch_error = e
+        for kind, e in errs:
+            if (kind, e) != self._last_watch_error:
+                self.log(kind, error=e[:500])
+            self._last_watch_error = (kind, e)
         out = []
         for ev, t_seen, query_s in evs:
+            if ev.kind == CLEARED:
+                self._cleared(ev.node)
+                continue
             n = nodes.get(ev.node)
             self.log("slurm_event", node=ev.node, cause=ev.cause, planned=ev.planned,
                      reason=ev.reason, since=ev.since, role=n.role.value if n else None,
@@ -107,6 +112,15 @@ class Intake:
         elif r.verb == "stop":
             return [Stop(r.reason or "stop requested")]
         return []
+
+    def _cleared(self, node: str) -> None:
+        """Slurm no longer drains (or reserves) the node: a drain it asked for and that is still
+        waiting (deferred: no standby was ready) is no longer wanted. A user's drain stays."""
+        r = self.wanted_drains.get(node)
+        if r is not None and "cause" in r.extra:
+            del self.wanted_drains[node]
+            self.deferred_drains.discard(node)
+            self.log("drain_cancelled", node=node, why="resumed in Slurm before it was done")
 
     def want_drain(self, node: str, r: Request) -> None:
         """A drain that could not complete (its swap was cancelled): still to be done."""

@@ -42,17 +42,26 @@ class JobSpec:
     kind: str = "local"              # local, or the allocation's kind: batch | salloc | step
 
 
+def parse_local(spec: str) -> tuple[int, int]:
+    """`--local ACTIVE+STANDBY`: at least one active node, no negative count."""
+    a, _, k = spec.partition("+")
+    try:
+        active, standbys = int(a), int(k or 0)
+    except ValueError:
+        active = standbys = -1
+    if active < 1 or standbys < 0:
+        raise LaunchError(f"--local expects ACTIVE+STANDBY with ACTIVE >= 1 and STANDBY >= 0, "
+                          f"e.g. 4+1; got {spec!r}")
+    return active, standbys
+
+
 def resolve(cfg: cfgmod.Config, args) -> JobSpec:
     command = [c for c in (args.command or [])]
     if not command:
         raise LaunchError("no training command given: tm-slurm run [options] -- python train.py ...")
     standbys = cfg.standby.count
     if args.local:
-        try:
-            a, _, k = args.local.partition("+")
-            active, k = int(a), int(k or 0)
-        except ValueError:
-            raise LaunchError(f"--local expects ACTIVE+STANDBY, e.g. 4+1; got {args.local!r}") from None
+        active, k = parse_local(args.local)
         if args.standbys is not None and args.standbys != k:
             raise LaunchError(f"--local {args.local} says {k} standbys but --standbys {args.standbys}")
         standbys = k

@@ -41,7 +41,7 @@ from typing import Iterable, Mapping, Sequence
 
 from .backend import NodeState, Reservation
 
-PLANNED, UNPLANNED = "planned", "unplanned"
+PLANNED, UNPLANNED, CLEARED = "planned", "unplanned", "cleared"
 CAUSES = ("down", "not_responding", "fail", "reboot", "drain", "maintenance")
 
 _POWER_DRAIN_FLAGS = frozenset({"POWER_DOWN", "POWER_DRAIN", "POWERING_DOWN"})
@@ -50,7 +50,7 @@ _POWER_DRAIN_FLAGS = frozenset({"POWER_DOWN", "POWER_DRAIN", "POWERING_DOWN"})
 @dataclass(frozen=True)
 class NodeEvent:
     node: str
-    kind: str          # "planned" | "unplanned"
+    kind: str          # "planned" | "unplanned" | "cleared" (the earlier event's state is gone)
     cause: str         # "drain" | "reboot" | "maintenance" | "fail" | "down" | "not_responding"
     reason: str
     since: float | None
@@ -146,4 +146,4 @@ class EventDebouncer:
 
 
 __all__ = ["NodeEvent", "classify", "classify_node", "EventDebouncer", "PLANNED", "UNPLANNED",
-           "CAUSES"]
+           "CLEARED", "CAUSES"]

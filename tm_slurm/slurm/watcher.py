@@ -8,7 +8,7 @@ import threading
 import time
 
 from . import SlurmError, backend_for
-from .classify import EventDebouncer, NodeEvent, classify
+from .classify import CLEARED, EventDebouncer, NodeEvent, classify
 
 
 class Watcher:
@@ -32,16 +32,21 @@ class Watcher:
         self._thread.join(self.cfg.slurm.poll_interval_s + 15)
 
     def check(self, names) -> list[NodeEvent]:
-        """One poll: the events for `names` that were not reported before."""
+        """One poll: the events for `names` that were not reported before, and a CLEARED event
+        for a node whose reported state is gone (resumed): its next drain is news again."""
         states = self.backend.nodes(names)
         res = self.backend.reservations()
         now = self.clock()
-        evs = self._debounce.filter(
-            classify(states, res, names, now, self.cfg.slurm.maint_horizon_s), now)
+        raw = classify(states, res, names, now, self.cfg.slurm.maint_horizon_s)
+        evs = self._debounce.filter(raw, now)
+        current = {e.node for e in raw}
+        cleared = [NodeEvent(n, CLEARED, "resume", "", None) for n in sorted(self._acted) if n not in current]
+        for e in cleared:
+            del self._acted[e.node]
         new = [e for e in evs if self._acted.get(e.node) != e.kind]
         for e in new:
             self._acted[e.node] = e.kind
-        return new
+        return cleared + new
 
     def _run(self) -> None:
         while not self._stop.wait(self.cfg.slurm.poll_interval_s):
@@ -53,7 +58,9 @@ class Watcher:
                 for e in self.check(names):
                     self.events.put((e, self.clock(), time.monotonic() - t0))
             except SlurmError as e:
-                self.errors.put(str(e))
+                self.errors.put(("slurm_query_failed", str(e)))
+            except Exception as e:         # Slurm's output it did not expect: say so, poll on
+                self.errors.put(("watcher_error", f"{type(e).__name__}: {e}"))
 
     def poll(self, nodes) -> tuple[list, list[str]]:
         """From the controller's loop: tell the thread which nodes to watch, take its results."""
