@@ -278,10 +278,17 @@ class Agent:
         a headless job holding the allocation. The survivor agent with the lowest node name
         requeues it once every survivor is done."""
         ch.abandon()
+        if controller_alive(paths.status_file(self.job_dir), 4 * paths.STATUS_EVERY_S):
+            # only this node lost the controller (a partition): the job is not ours to end; the
+            # controller fences and replaces this node as it would a dead one
+            self.logger.warning("controller silent for %ss but its status.json is still written: "
+                                "this node is cut off; ending its workers, not the job",
+                                self.controller_timeout)
+            self.kill_workers()
+            return Exit.FENCED
         self.logger.warning("controller silent for %ss; checkpointing and ending the job",
                             self.controller_timeout)
-        d = paths.control_dir(self.job_dir) / "lost"
-        paths.private_dir(d)
+        d = paths.lost_dir(self.job_dir)
         (d / f"agent-{self.node}.alive").write_text(str(os.getpid()))
         self.to_workers(Checkpoint("controller lost"))
         end = time.monotonic() + self.shutdown_s * 3
@@ -313,6 +320,26 @@ class Agent:
         end = time.monotonic() + timeout
         while ch.pending_sends() and time.monotonic() < end:
             time.sleep(0.001)
+
+
+def controller_alive(status: Path, watch_s: float, sleep=time.sleep) -> bool:
+    """Whether the controller still rewrites its status.json (every 0.5 s, through the shared
+    filesystem): a change seen within `watch_s` says it is alive. Compares the file with itself,
+    never with this node's clock, so clock skew between nodes does not matter."""
+    def stamp():
+        try:
+            st = status.stat()
+            return st.st_mtime_ns, st.st_size, st.st_ino
+        except OSError:
+            return None
+    first = stamp()
+    end = time.monotonic() + watch_s
+    while time.monotonic() < end:
+        sleep(0.1)
+        now = stamp()
+        if first is not None and now is not None and now != first:
+            return True
+    return False
 
 
 def on_sigterm(agent: Agent) -> None:

@@ -78,6 +78,15 @@ def events_file(job: Path) -> Path:
     return Path(job) / "events.jsonl"
 
 
+def lost_dir(job: Path) -> Path:
+    """Where the survivors of a lost controller meet (worker/lost.py, agent.py): one directory per
+    run of the job (Slurm's requeue count), so a requeued run never reads an earlier run's notes."""
+    return private_dir(Path(job) / "control" / "lost" / f"run{os.environ.get('SLURM_RESTART_COUNT') or 0}")
+
+
+STATUS_EVERY_S = 0.5        # the controller rewrites status.json this often (a liveness sign too)
+
+
 def status_file(job: Path) -> Path:
     return Path(job) / "status.json"
 

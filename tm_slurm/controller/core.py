@@ -547,7 +547,7 @@ class Controller:
                     next_ping = now + self.T.heartbeat_interval_s
                 if now >= next_status:
                     self.records.write_status()
-                    next_status = now + 0.5
+                    next_status = now + jobdir.STATUS_EVERY_S
                 busy = (now < busy_until or self.busy()
                         or self.job.state in (JobState.STARTING, JobState.STOPPING))
                 time.sleep(mpictl.POLL_BUSY_S if busy else mpictl.POLL_IDLE_S)

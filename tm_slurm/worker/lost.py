@@ -22,11 +22,6 @@ from .rank import exit_clean
 
 
 
-def lost_dir(job_dir: Path) -> Path:
-    d = jobdir.control_dir(job_dir) / "lost"
-    return jobdir.private_dir(d)
-
-
 def controller_lost(w, pending: int | None, error) -> None:
     """Never returns: the process exits once its part is written."""
     if w.inbox.lost_controller is None:
@@ -41,7 +36,7 @@ def controller_lost(w, pending: int | None, error) -> None:
         if not isinstance(msg, Checkpoint):
             w.report("store_lost", pending, error=str(error)[:300])
             exit_clean(Exit.GAVE_UP)
-    d = lost_dir(w.job_dir)
+    d = jobdir.lost_dir(w.job_dir)
     me = LostState(w.rank, w.node, w.committed, pending, ckpt.shard_name(w.topo, w.rank))
     fsync_write(d / f"rank{w.rank}.json", w.transfer_sealer().seal(me))
     deadline = time.monotonic() + 5.0
