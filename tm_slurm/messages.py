@@ -333,8 +333,9 @@ class CommError(Report):
 @dataclass(frozen=True)
 class CheckpointDone(Report):
     reason: str | None
-    path: str | None          # None: this rank wrote no shard (not a writer)
+    path: str | None          # None: this rank wrote no shard (not a writer, or it failed)
     save_s: float
+    error: str | None = None  # the write failed (a full disk): nothing of this shard was left
 
     KIND: ClassVar[str] = "checkpoint"
 

@@ -7,7 +7,7 @@ import json
 import os
 import time
 from .. import jobdir
-from ..events import fsync_write
+from ..events import Lines, fsync_write
 from ..roles import Role
 from ..worker import checkpoint as ckpt
 from .episodes.recovery import Recovery
@@ -19,7 +19,7 @@ class Records:
         """`ctl`: the controller, read only (but for its finished checkpoints)."""
         self.ctl = ctl
         self._steps_logged: dict[int, float] = {}
-        self._steps_f = open(jobdir.steps_file(ctl.job_dir), "a", buffering=1)
+        self._steps_f = Lines(jobdir.steps_file(ctl.job_dir))     # a full disk drops lines, never raises
 
     def steps(self, steps) -> None:
         """`steps.jsonl`: one line per step once every rank has committed it (again, after a
@@ -34,8 +34,8 @@ class Records:
                 continue
             self._steps_logged[s] = wall
             loss = next((r.loss for r in recs if r.loss is not None), None)
-            self._steps_f.write(json.dumps({"step": s, "wall": round(wall, 6), "gen": ctl.gen, "loss": loss,
-                                            "dur_s": round(max(r.dur_s for r in recs), 6)}) + "\n")
+            self._steps_f.write({"step": s, "wall": round(wall, 6), "gen": ctl.gen, "loss": loss,
+                                 "dur_s": round(max(r.dur_s for r in recs), 6)})
 
     def snapshot(self) -> dict:
         ctl = self.ctl
@@ -60,8 +60,11 @@ class Records:
         a second, that is worth no disk flush."""
         p = jobdir.status_file(self.ctl.job_dir)
         tmp = p.with_name(".status.json.tmp")
-        tmp.write_text(json.dumps(self.snapshot(), indent=1))
-        os.replace(tmp, p)
+        try:
+            tmp.write_text(json.dumps(self.snapshot(), indent=1))
+            os.replace(tmp, p)
+        except OSError:
+            tmp.unlink(missing_ok=True)     # a full disk: the last snapshot stays; the next may fit
 
     def write_result(self) -> None:
         ctl = self.ctl
@@ -69,7 +72,10 @@ class Records:
                "digests": {str(r): d for r, d in sorted(ctl.finished.items())},
                "interruptions": ctl.interruptions, "steady_step_s": ctl.progress.steady(),
                "losses": ctl.progress.losses(), "generation": ctl.gen}
-        fsync_write(jobdir.result_file(ctl.job_dir), json.dumps(res, indent=1).encode())
+        try:
+            fsync_write(jobdir.result_file(ctl.job_dir), json.dumps(res, indent=1).encode())
+        except OSError as e:
+            ctl.log.emit("result_not_written", error=str(e)[:300])
 
     def checkpoint_written(self, step: int) -> None:
         """A shard was written: once all are there, the checkpoint is complete; keep the newest."""

@@ -34,6 +34,11 @@ def on_comm_error(ctl, node: str, local: int, rep: CommError) -> None:
 
 
 def on_checkpoint(ctl, node: str, local: int, rep: CheckpointDone) -> None:
+    if rep.error:
+        # the rank trains on; this step's checkpoint never completes, the previous one stays
+        ctl.log.emit("checkpoint_failed", node=node, rank=rep.rank, step=rep.step, reason=rep.reason,
+                     error=rep.error)
+        return
     if rep.path:
         ctl.log.emit("checkpoint_saved", node=node, rank=rep.rank, step=rep.step, reason=rep.reason,
                      save_s=round(rep.save_s, 4))

@@ -58,8 +58,13 @@ def save(root_: Path, step: int, rank: int, topo: Topology, state: TrainState,
     torch.save(payload, buf)
     data = buf.getvalue()
     name = shard_name(topo, rank)
-    fsync_write(d / f"{name}.pt", data)
-    fsync_write(d / f"{name}.sha256", hashlib.sha256(data).hexdigest().encode())
+    try:
+        fsync_write(d / f"{name}.pt", data)
+        fsync_write(d / f"{name}.sha256", hashlib.sha256(data).hexdigest().encode())
+    except OSError:
+        for f in (d / f"{name}.pt", d / f"{name}.sha256"):     # no half of a shard left behind
+            f.unlink(missing_ok=True)
+        raise
     return d
 
 

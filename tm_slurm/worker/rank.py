@@ -172,9 +172,16 @@ class Worker:
         self.committed = step
 
     def checkpoint(self, next_step: int, reason: str, writer: bool | None = None) -> None:
+        """Write this rank's shard; a write that fails (a full disk) is reported, not raised: the
+        rank trains on and the previous checkpoint stays the valid one."""
         t0 = time.perf_counter()
-        path = ckpt.save(ckpt.root(self.cfg, self.job_dir), next_step, self.rank, self.topo,
-                         self.state, writer=writer)
+        try:
+            path = ckpt.save(ckpt.root(self.cfg, self.job_dir), next_step, self.rank, self.topo,
+                             self.state, writer=writer)
+        except OSError as e:
+            self.report("checkpoint", next_step, reason=reason, path=None,
+                        save_s=time.perf_counter() - t0, error=f"{type(e).__name__}: {e}"[:300])
+            return
         self.report("checkpoint", next_step, reason=reason, path=str(path) if path else None,
                     save_s=time.perf_counter() - t0)
 
