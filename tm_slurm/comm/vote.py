@@ -62,6 +62,21 @@ def switch_key(plan_id: int) -> str:
     return f"plan{plan_id}/switch_step"
 
 
+# a step's vote keys are deleted this many of the rank's votes later: every rank is past it by
+# then (votes are step-synchronous), and the controller's abort_in_flight only looks at the steps
+# the ranks report they are working on
+KEYS_KEPT = 64
+
+
+def forget(store, gen: int, step: int, rank: int) -> None:
+    """Delete this rank's part of an old step's keys (rank 0 also the count and the decision),
+    so the store holds a bounded number of keys whatever the number of steps."""
+    store.delete_key(rkey(gen, step, rank))
+    if rank == 0:
+        store.delete_key(nkey(gen, step))
+        store.delete_key(dkey(gen, step))
+
+
 def abort(store, gen: int, step: int, why: str) -> Decision:
     """Try to abort (gen, step); returns the decision that stands (a commit may have won)."""
     raw = store.compare_set(dkey(gen, step), "", Decision(False, why=why).encode())

@@ -537,6 +537,7 @@ class Controller:
                 for ep in list(self.live()):
                     ep.tick(now)
                 self.pool.check_stragglers(now)
+                self.records.poll_checkpoints()
                 self._drive_intake()
                 self.pool.replenish()
                 if self.on_tick is not None:
@@ -564,6 +565,7 @@ class Controller:
                 self.watcher.stop()
             self.launcher.stop_all(grace=2.0)
             self.port.close()
+            self.records.close()
             if self.job.state == JobState.REQUEUED and self.cfg.slurm.requeue_on_exit and self.requeue_wanted:
                 self._requeue()
         return self.exit_code

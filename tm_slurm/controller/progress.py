@@ -18,21 +18,32 @@ class StepRecord:
     busy_s: float = 0.0   # the step function's time outside collectives: its own work
 
 
+# steps kept per rank: more than any measuring window (a swap's, the straggler check's, the
+# steady step time's), so memory and per-tick work do not grow with the job's length
+KEEP = 512
+
+
 class Progress:
-    def __init__(self):
+    def __init__(self, keep: int = KEEP):
+        self.keep = keep
         self.by_rank: dict[int, dict[int, StepRecord]] = defaultdict(dict)
+        self._top: dict[int, int] = {}
 
     def clear(self) -> None:
         self.by_rank.clear()
+        self._top.clear()
 
     def add(self, rank: int, entries) -> None:
+        d = self.by_rank[rank]
         for e in entries:
             r = StepRecord(*e)
-            self.by_rank[rank][r.step] = r
+            d[r.step] = r
+            self._top[rank] = max(self._top.get(rank, r.step), r.step)
+        while len(d) > self.keep:
+            del d[next(iter(d))]          # the oldest reported
 
     def committed(self, rank: int) -> int | None:
-        d = self.by_rank.get(rank)
-        return max(d) if d else None
+        return self._top.get(rank)
 
     def min_committed(self, ranks) -> int | None:
         vals = [self.committed(r) for r in ranks]
@@ -80,6 +91,7 @@ class Progress:
         return [d[s].busy_s for s in sorted(d)[-last:]]
 
     def losses(self) -> dict[int, float]:
+        """Loss per step, for the steps still kept (the last KEEP)."""
         out = {}
         for recs in self.by_rank.values():
             for s, r in recs.items():

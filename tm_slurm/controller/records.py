@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from .. import jobdir
 from ..events import Lines, fsync_write
 from ..roles import Role
 from ..worker import checkpoint as ckpt
 from .episodes.recovery import Recovery
+from .progress import KEEP
 from .episodes.swap import PlannedSwap
 
 
@@ -20,6 +22,9 @@ class Records:
         self.ctl = ctl
         self._steps_logged: dict[int, float] = {}
         self._steps_f = Lines(jobdir.steps_file(ctl.job_dir))     # a full disk drops lines, never raises
+        self._shards_in: dict[int, set[str]] = {}
+        self._verifying: dict[int, Future] = {}
+        self._verifier = ThreadPoolExecutor(1, thread_name_prefix="tm-ckpt-verify")
 
     def steps(self, steps) -> None:
         """`steps.jsonl`: one line per step once every rank has committed it (again, after a
@@ -33,6 +38,9 @@ class Records:
             if self._steps_logged.get(s, -1.0) >= wall:
                 continue
             self._steps_logged[s] = wall
+            if len(self._steps_logged) > 2 * KEEP:
+                for old in sorted(self._steps_logged)[:KEEP]:
+                    del self._steps_logged[old]
             loss = next((r.loss for r in recs if r.loss is not None), None)
             self._steps_f.write({"step": s, "wall": round(wall, 6), "gen": ctl.gen, "loss": loss,
                                  "dur_s": round(max(r.dur_s for r in recs), 6)})
@@ -53,7 +61,18 @@ class Records:
                 "swap": None if swap is None else {"plan": swap.plan.id, "state": swap.state.value},
                 "recovery": None if recovery is None else {"state": recovery.state.value,
                                                             "step": recovery.step},
-                "interruptions": ctl.interruptions, "updated": time.time()}
+                "interruptions": ctl.interruptions, "updated": time.time(), **self.footprint()}
+
+    def footprint(self) -> dict:
+        """What the controller holds, for operators and the soak test: keys in its store and its
+        resident memory (neither grows with the number of steps)."""
+        store = getattr(self.ctl, "store", None)      # None before the store is open
+        try:
+            keys = store.num_keys() if store is not None else None
+        except Exception:
+            keys = None
+        rss = next((int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS:")), 0)
+        return {"store_keys": keys, "rss_mb": round(rss / 1024, 1)}
 
     def write_status(self) -> None:
         """Atomic (readers never see half a file) but not fsynced: a snapshot, rewritten twice
@@ -71,20 +90,46 @@ class Records:
         res = {"job": ctl.job_id, "state": ctl.job.state.value, "exit_code": ctl.exit_code,
                "digests": {str(r): d for r, d in sorted(ctl.finished.items())},
                "interruptions": ctl.interruptions, "steady_step_s": ctl.progress.steady(),
-               "losses": ctl.progress.losses(), "generation": ctl.gen}
+               "losses": ctl.progress.losses(), "generation": ctl.gen, **self.footprint()}
         try:
             fsync_write(jobdir.result_file(ctl.job_dir), json.dumps(res, indent=1).encode())
         except OSError as e:
             ctl.log.emit("result_not_written", error=str(e)[:300])
 
-    def checkpoint_written(self, step: int) -> None:
-        """A shard was written: once all are there, the checkpoint is complete; keep the newest."""
+    def checkpoint_written(self, step: int, rank: int) -> None:
+        """A rank wrote its shard of `step`: once every shard is in, they are verified (read and
+        hashed: gigabytes for a large model) on a thread of their own, never on the loop."""
         ctl = self.ctl
-        root = ckpt.root(ctl.cfg, ctl.job_dir)
-        d = ckpt.step_dir(root, step)
-        if step not in ctl.checkpoints_done and d.exists() and not ckpt.bad_shards(d, ctl.topo):
+        got = self._shards_in.setdefault(step, set())
+        got.add(ckpt.shard_name(ctl.topo, rank))
+        if (len(got) == len(ckpt.shards(ctl.topo)) and step not in ctl.checkpoints_done
+                and step not in self._verifying):
+            d = ckpt.step_dir(ckpt.root(ctl.cfg, ctl.job_dir), step)
+            self._verifying[step] = self._verifier.submit(ckpt.bad_shards, d, ctl.topo)
+
+    def poll_checkpoints(self) -> None:
+        """Checkpoints whose verification ended: complete (keep the newest `keep`) or not."""
+        ctl = self.ctl
+        for step, fut in list(self._verifying.items()):
+            if not fut.done():
+                continue
+            del self._verifying[step]
+            self._shards_in.pop(step, None)
+            try:
+                bad = fut.result()
+            except Exception as e:             # an unreadable directory: not a checkpoint
+                bad = [f"{type(e).__name__}: {e}"]
+            if bad:
+                ctl.log.emit("checkpoint_invalid", step=step, bad=bad[:8])
+                continue
             ctl.checkpoints_done.add(step)
-            ctl.log.emit("checkpoint_complete", step=step, path=str(d))
-            gone = ckpt.prune(root, ctl.topo, ctl.cfg.checkpoint.keep)
+            ctl.log.emit("checkpoint_complete", step=step,
+                         path=str(ckpt.step_dir(ckpt.root(ctl.cfg, ctl.job_dir), step)))
+            gone = ckpt.prune(ckpt.root(ctl.cfg, ctl.job_dir), ctl.topo, ctl.cfg.checkpoint.keep)
             if gone:
                 ctl.log.emit("checkpoint_pruned", steps=gone)
+            for old in [s for s in self._shards_in if s < step]:     # failed ones: never complete
+                del self._shards_in[old]
+
+    def close(self) -> None:
+        self._verifier.shutdown(wait=True)

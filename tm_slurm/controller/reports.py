@@ -42,7 +42,7 @@ def on_checkpoint(ctl, node: str, local: int, rep: CheckpointDone) -> None:
     if rep.path:
         ctl.log.emit("checkpoint_saved", node=node, rank=rep.rank, step=rep.step, reason=rep.reason,
                      save_s=round(rep.save_s, 4))
-    ctl.records.checkpoint_written(rep.step)
+        ctl.records.checkpoint_written(rep.step, rep.rank)
 
 
 def on_finished(ctl, node: str, local: int, rep: Finished) -> None:

@@ -103,7 +103,13 @@ def _vote(w: Worker, voter: ThreadPoolExecutor, step: int) -> votes.Decision:
     error = None
     while True:
         try:
-            return fut.result(timeout=0.05)
+            d = fut.result(timeout=0.05)
+            w.voted.append((w.gen, step))
+            if len(w.voted) > votes.KEYS_KEPT:
+                # on the vote thread while this one computes the next step; a failure there is
+                # the store's, and the next vote meets it
+                voter.submit(votes.forget, w.store, *w.voted.popleft(), w.rank)
+            return d
         except FutureTimeout:
             if w.inbox.lost_controller is not None:
                 break

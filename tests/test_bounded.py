@@ -1,0 +1,42 @@
+"""What the controller and the store hold does not grow with the number of steps (issue 14,
+item 4): step records are a recent window, the committed step is kept incrementally, and a
+step's vote keys are deleted KEYS_KEPT votes later."""
+from __future__ import annotations
+
+from collections import deque
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from tm_slurm.comm import vote as V
+from tm_slurm.controller.progress import Progress
+
+
+def rec(step):
+    return (step, 0.1, 0.05, 1.0 / (step + 1), float(step), False, 0.05)
+
+
+def test_step_records_are_a_window_and_the_committed_step_is_incremental():
+    p = Progress(keep=50)
+    for s in range(10_000):
+        p.add(0, [rec(s)])
+        p.add(1, [rec(s)])
+    assert len(p.by_rank[0]) == 50 and p.committed(0) == 9_999 and p.min_committed([0, 1]) == 9_999
+    assert min(p.losses()) == 9_950 and p.steady() is not None
+    p.add(0, [rec(9_990)])                          # a replay after a rollback: still the top
+    assert p.committed(0) == 9_999
+    p.clear()
+    assert p.committed(0) is None
+
+
+def test_vote_keys_are_deleted_and_the_store_stays_bounded():
+    m = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    voted: deque = deque()
+    for step in range(400):
+        assert V.vote(m, 0, step, 1, True, 5.0, 0).commit
+        voted.append((0, step))
+        if len(voted) > V.KEYS_KEPT:
+            V.forget(m, *voted.popleft(), 0)
+    # three keys per kept step (the rank's vote, the count, the decision), whatever the length
+    assert m.num_keys() <= 3 * (V.KEYS_KEPT + 1) + 1
+    assert not m.check([V.dkey(0, 0)]) and m.check([V.dkey(0, 399)])
