@@ -195,7 +195,7 @@ def test_batch_host_loss_checkpoints_and_requeues(submit, minicluster, ref_diges
     else:
         raise AssertionError(f"job {job.id} was not requeued after the batch host died")
     headless = time.time() - t
-    lost = jobdir.control_dir(job.dir) / "lost"
+    lost = jobdir.control_dir(job.dir) / "lost" / "run0"       # the first run's survivors
     assert sorted(p.name for p in lost.glob("agent-*.done")) == [f"agent-node{i}.done" for i in (2, 3, 4, 5)]
     minicluster.restore("node1", wait=True)
     _finished(job, ref_digests)
