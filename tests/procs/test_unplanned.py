@@ -12,6 +12,7 @@ import threading
 
 import pytest
 
+from tm_slurm import jobdir
 from tm_slurm.config import Layout
 from tm_slurm.demo import example_paths
 from tm_slurm.launch.local import fail, inject
@@ -182,14 +183,16 @@ def test_a_full_disk_mid_run_costs_checkpoints_not_the_job(tmp_path, reference):
     filler = job / "filler"
 
     def fill(_job):
-        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-        try:
-            while os.write(fd, b"\0" * (1 << 16)):
+        # the filler, then the slack of the event log's last page (blank lines, which readers skip)
+        for path, chunk in ((filler, b"\0" * (1 << 16)), (jobdir.events_file(job), b"\n" * 512)):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                while os.write(fd, chunk):
+                    pass
+            except OSError:
                 pass
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+            finally:
+                os.close(fd)
         t = threading.Timer(4.0, filler.unlink)
         t.name = f"{SIDE}-free-disk"
         t.start()
