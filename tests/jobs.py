@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import threading
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,38 +36,53 @@ class Ran:
         return [e for e in self.result["interruptions"] if e["kind"] == kind]
 
 
-def leftovers(job_dir: Path) -> list[str]:
-    """Processes whose command line or environment names this job directory."""
+def leftovers(job_dir: Path, zombies: bool = False) -> list[str]:
+    """Processes whose command line or environment names this job directory (running, stopped
+    or zombie: their state letter says which), and with `zombies` this test process's unreaped
+    children."""
     needle = str(job_dir).encode()
     out = []
     for p in Path("/proc").iterdir():
         if not p.name.isdigit() or int(p.name) == os.getpid():
             continue
         try:
+            state, ppid = (p / "stat").read_text().rsplit(")", 1)[1].split()[:2]
             cmd = (p / "cmdline").read_bytes()
-            if needle in cmd or needle in (p / "environ").read_bytes():
-                out.append(f"{p.name}: {cmd.replace(NUL, b' ')[:200]!r}")
-        except OSError:
+            ours = needle in cmd or needle in (p / "environ").read_bytes()
+        except (OSError, ValueError):
             continue
+        if ours or (zombies and state == "Z" and int(ppid) == os.getpid()):
+            out.append(f"{p.name} [{state}]: {cmd.replace(NUL, b' ')[:200]!r}")
     return out
+
+
+def no_leftovers(job_dir: Path) -> None:
+    """Fail if anything of the job is left, after killing it so the next test starts clean."""
+    left = _killed(job_dir)
+    assert not left, f"processes left behind (now killed): {left}"
+
+
+def _killed(job_dir: Path) -> list[str]:
+    left = leftovers(job_dir, zombies=True)
+    for entry in left:
+        try:
+            os.kill(int(entry.split(" ", 1)[0]), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
 
 
 def run_job(tmp: Path, local: str, steps: int, actions=(), sets=(), script_args=(), layout=(),
             timeout: float = 420) -> Ran:
-    threads = _threads()
     r = JobRun(tmp / "job", local, steps, list(actions), extra_args=list(layout),
                script_args=[*TINY, *script_args], sets=[*ROBUST, *sets])
-    rc = r.run(timeout)
-    left = leftovers(r.job_dir)
-    assert not left, f"processes left behind: {left}"
-    assert _threads() == threads
+    try:
+        rc = r.run(timeout)
+    except TimeoutError as e:          # the leak check runs on a timeout too
+        raise TimeoutError(f"{e}; processes left behind (now killed): {_killed(r.job_dir)}") from None
+    no_leftovers(r.job_dir)
     res = json.loads(jobdir.result_file(r.job_dir).read_text()) if jobdir.result_file(r.job_dir).exists() else {}
     return Ran(r.job_dir, rc, res, list(evlog.read(jobdir.events_file(r.job_dir))), r.done)
 
 
 NUL = bytes(1)
-SIDE = "test-side"       # a test's own helper thread (an attacker, a watcher), not the job's
-
-
-def _threads() -> int:
-    return sum(1 for t in threading.enumerate() if not t.name.startswith(SIDE))

@@ -21,7 +21,7 @@ import pytest
 from tm_slurm import jobdir
 from tm_slurm.control import mpi as mpictl
 
-from ..jobs import SIDE, run_job
+from ..jobs import run_job
 from ..test_requests import BAD
 
 pytestmark = pytest.mark.procs
@@ -138,7 +138,7 @@ def test_a_stranger_can_neither_read_nor_steer_nor_run_code_in_a_job(stranger, r
             time.sleep(0.2)
         seen["procs"] = _job_processes(job)
 
-    t = threading.Thread(target=attack, name=SIDE, daemon=True)
+    t = threading.Thread(target=attack, name="attacker", daemon=True)
     t.start()
     try:
         ran = run_job(base, "4+1", STEPS, [(6, drop_bad_requests, "-"), (12, "drain", "node2")],

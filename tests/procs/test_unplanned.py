@@ -19,7 +19,7 @@ from tm_slurm.launch.local import fail, inject
 from tm_slurm.topology import Topology
 from tm_slurm.worker import checkpoint as ckpt
 
-from ..jobs import ROBUST, SIDE, TINY, run_job
+from ..jobs import ROBUST, TINY, no_leftovers, run_job
 
 pytestmark = pytest.mark.procs
 STEPS = 150
@@ -125,6 +125,7 @@ def test_no_standby_checkpoints_exits_requeueable_and_resumes(tmp_path, referenc
         cmd += ["--set", s]
     rc = subprocess.run(cmd + ["--", sys.executable, str(script), "--steps", str(STEPS), *TINY],
                         timeout=400, capture_output=True).returncode
+    no_leftovers(ran.job_dir)
     assert rc == 0
     res = json.loads((ran.job_dir / "result.json").read_text())
     assert res["digests"] == reference(STEPS)
@@ -166,6 +167,7 @@ def test_no_standby_shrink_drops_the_replica_and_trains_on_at_half_size(tmp_path
         cmd += ["--set", s]
     rc = subprocess.run(cmd + ["--", sys.executable, str(script), "--steps", str(steps), *TINY],
                         timeout=400, capture_output=True).returncode
+    no_leftovers(tmp_path / "ref")
     assert rc == 0
     ref = json.loads((tmp_path / "ref" / "result.json").read_text())
     assert ran.result["digests"] == ref["digests"]
@@ -193,9 +195,7 @@ def test_a_full_disk_mid_run_costs_checkpoints_not_the_job(tmp_path, reference):
                 pass
             finally:
                 os.close(fd)
-        t = threading.Timer(4.0, filler.unlink)
-        t.name = f"{SIDE}-free-disk"
-        t.start()
+        threading.Timer(4.0, filler.unlink).start()
 
     try:
         ran = run_job(tmp_path, "4+1", STEPS, [(15, fill, "-")])
