@@ -268,7 +268,7 @@ class Agent:
         for w in self.workers.values():
             w.proc.wait()
         self._reap(ch)
-        ch.send(AgentBye(self.node, m.reason))
+        ch.send(AgentBye(self.node, m.reason), sync=True)     # delivered, with all before it
         self._flush(ch)
         return 0
 

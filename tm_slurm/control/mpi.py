@@ -119,13 +119,17 @@ class Channel:
         comm.Set_info(info)
         info.Free()
 
-    def send(self, msg: Any) -> None:
+    def send(self, msg: Any, sync: bool = False) -> None:
+        """`sync`: complete only once the peer has received it (and, in order, everything sent
+        before). For a process's last words: an injected frame is complete as soon as the
+        provider buffered it (mpi_env), and a process that exits then may take it along."""
         if self.dead:
             return
         MPI = mpi()
         buf = bytearray(self.sealer.seal(msg))
         try:
-            req = self.comm.Isend([buf, MPI.BYTE], dest=0, tag=self.TAG)
+            isend = self.comm.Issend if sync else self.comm.Isend
+            req = isend([buf, MPI.BYTE], dest=0, tag=self.TAG)
         except MPI.Exception:
             self.broken = True
             self.abandon()
