@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 from concurrent.futures import Future, ThreadPoolExecutor
 from .. import jobdir
 from ..events import Lines, fsync_write
@@ -104,8 +105,7 @@ class Records:
         got.add(ckpt.shard_name(ctl.topo, rank))
         if (len(got) == len(ckpt.shards(ctl.topo)) and step not in ctl.checkpoints_done
                 and step not in self._verifying):
-            d = ckpt.step_dir(ckpt.root(ctl.cfg, ctl.job_dir), step)
-            self._verifying[step] = self._verifier.submit(ckpt.bad_shards, d, ctl.topo)
+            self._verifying[step] = self._verifier.submit(ckpt.bad_shards, Path(ctl.checkpoint_path(step)), ctl.topo)
 
     def poll_checkpoints(self) -> None:
         """Checkpoints whose verification ended: complete (keep the newest `keep`) or not."""
@@ -123,8 +123,7 @@ class Records:
                 ctl.log.emit("checkpoint_invalid", step=step, bad=bad[:8])
                 continue
             ctl.checkpoints_done.add(step)
-            ctl.log.emit("checkpoint_complete", step=step,
-                         path=str(ckpt.step_dir(ckpt.root(ctl.cfg, ctl.job_dir), step)))
+            ctl.log.emit("checkpoint_complete", step=step, path=ctl.checkpoint_path(step))
             gone = ckpt.prune(ckpt.root(ctl.cfg, ctl.job_dir), ctl.topo, ctl.cfg.checkpoint.keep)
             if gone:
                 ctl.log.emit("checkpoint_pruned", steps=gone)
