@@ -73,9 +73,11 @@ def _killed(job_dir: Path) -> list[str]:
 
 
 def run_job(tmp: Path, local: str, steps: int, actions=(), sets=(), script_args=(), layout=(),
-            timeout: float = 420) -> Ran:
+            timeout: float = 420, faults: str = "") -> Ran:
+    """`faults`: TM_SLURM_FAULTS for the job (tm_slurm/faults.py), e.g. "join.ready@node5"."""
     r = JobRun(tmp / "job", local, steps, list(actions), extra_args=list(layout),
-               script_args=[*TINY, *script_args], sets=[*ROBUST, *sets])
+               script_args=[*TINY, *script_args], sets=[*ROBUST, *sets],
+               env={"TM_SLURM_FAULTS": faults} if faults else None)
     try:
         rc = r.run(timeout)
     except TimeoutError as e:          # the leak check runs on a timeout too

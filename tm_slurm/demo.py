@@ -38,9 +38,9 @@ class JobRun:
 
     def __init__(self, job_dir: Path, local: str, steps: int, actions: list[tuple[int | str, str, str]],
                  extra_args: list[str] = (), script_args: list[str] = (), config: Path | None = None,
-                 sets: list[str] = ()):
+                 sets: list[str] = (), env: dict[str, str] | None = None):
         script, cfg = example_paths()
-        self.job_dir, self.actions = job_dir, list(actions)
+        self.job_dir, self.actions, self.env = job_dir, list(actions), env
         self.argv = [sys.executable, "-m", "tm_slurm", "run", "--local", local, "--config",
                      str(config or cfg), "--job-dir", str(job_dir), *extra_args]
         for s in sets:
@@ -52,7 +52,8 @@ class JobRun:
         self.job_dir.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.job_dir.parent / f"{self.job_dir.name}.out", "w")
         proc = self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+                                            start_new_session=True,
+                                            env=None if self.env is None else {**os.environ, **self.env})
         end = time.monotonic() + timeout
         pending = list(self.actions)
         try:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import config as cfgmod
+from .. import faults
 from .. import jobdir
 from ..control import auth
 from ..control import mpi as mpictl
@@ -56,6 +57,10 @@ def parse_local(spec: str) -> tuple[int, int]:
 
 
 def resolve(cfg: cfgmod.Config, args) -> JobSpec:
+    try:
+        faults.check()
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
     command = [c for c in (args.command or [])]
     if not command:
         raise LaunchError("no training command given: tm-slurm run [options] -- python train.py ...")

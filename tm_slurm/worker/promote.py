@@ -12,6 +12,7 @@ import queue
 import time
 from pathlib import Path
 
+from .. import faults
 from ..comm import vote as votes
 from ..exits import Exit
 from ..messages import CancelPlan, Checkpoint, Prepare, Recover, Resume, Stop, WriteCheckpoint
@@ -36,6 +37,7 @@ def wait_as_standby(w: Worker, build_fn: BuildFn, step_fn: StepFn) -> int:
         t0 = time.perf_counter()
         warm = sandbox.rehearse(w, build_fn, step_fn, w.cfg.standby.sandbox_steps)
         warm["total_s"] = round(time.perf_counter() - t0, 3)
+    faults.at("standby.warm", w.node)
     w.report("standby_ready", warm=bool(warm), sandbox=warm)
     msg = None
     while True:
@@ -103,6 +105,7 @@ def _join(w: Worker, msg: Prepare | Recover, build_fn: BuildFn) -> int:
     groups = sorted(g.id for g in built.values())
     if isinstance(msg, Prepare):
         w.report("ready", None, plan=plan.id, build_s=t_groups, build_model_s=t_model, groups=groups)
+        faults.at("join.ready", w.node)
         _wait_switch(w, plan.id)
     else:
         w.report("recover_built", None, plan=plan.id, build_s=t_groups, build_model_s=t_model,
@@ -122,6 +125,7 @@ def _join(w: Worker, msg: Prepare | Recover, build_fn: BuildFn) -> int:
     w.parked = None
     w.report("joined", start, plan=plan.id, build_model_s=t_model, build_s=t_groups, reused_sandbox=reused,
              wait_s=t1 - t0 - t_model - t_groups, recv_s=time.perf_counter() - t1, **info)
+    faults.at("join.joined", w.node)
     return start
 
 
@@ -168,6 +172,7 @@ def recover(w: Worker, step: int, d: votes.Decision) -> int:
                 w.report("recover_failed", step, plan=plan.id, error=f"{type(e).__name__}: {e}"[:300])
                 plan, built = None, {}
                 continue
+            faults.at("recover.build", w.node)
             w.report("recover_built", step, plan=plan.id, build_s=time.perf_counter() - t0,
                      groups=sorted(g.id for g in built.values()))
             deadline = time.monotonic() + w.T.recovery_timeout_s

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import config as cfgmod
+from .. import faults
 from ..comm.groups import Group, Reaper, build_group, pick_backend
 from ..comm.handles import GroupTable
 from ..comm.sealed import SealedStore
@@ -159,6 +160,7 @@ class Worker:
         if plan.id in self.inbox.cancelled:
             self.reaper.drop(built.values())
             return
+        faults.at("phase1.build", self.node)
         self.prepared[plan.id] = built
         self.report("ready", self.step, plan=plan.id, build_s=time.perf_counter() - t0,
                     groups=sorted(g.id for g in built.values()))
