@@ -1,5 +1,6 @@
 """A lost controller (agent.py, worker/lost.py): the survivors' notes are scoped to one run of the
-job, and a node that is only cut off from a live controller does not end the job."""
+job, a node that is only cut off from a live controller does not end the job, and a controller
+that is itself cut off knows it (controller/liveness.py)."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,7 @@ import time
 
 from tm_slurm import jobdir
 from tm_slurm.agent import controller_alive
+from tm_slurm.controller.liveness import controller_cut_off
 
 
 def test_the_lost_notes_of_a_requeued_run_are_not_the_first_runs(tmp_path, monkeypatch):
@@ -42,3 +44,21 @@ def test_a_status_file_still_rewritten_means_the_controller_is_alive(tmp_path):
     finally:
         stop.set()
         t.join()
+
+
+def test_the_controller_is_cut_off_only_when_most_of_its_agents_go_silent_together():
+    T = 4.0
+    quiet = {"node1": 0.1, "node2": 0.2, "node3": 0.1, "node4": 0.1, "node5": 0.3}
+    assert controller_cut_off(quiet, T) == []
+    # one node silent: a node failure, recovered as usual
+    assert controller_cut_off({**quiet, "node3": 4.5}, T) == []
+    # the batch host cut: node1 (its own agent) still talks, the rest went silent together
+    # (the first past the timeout, the others a heartbeat behind)
+    cut = {"node1": 0.1, "node2": 4.1, "node3": 4.0, "node4": 3.9, "node5": 3.95}
+    assert controller_cut_off(cut, T) == ["node2", "node3", "node4", "node5"]
+    # exactly half is no majority; two agents, one silent, is a node failure
+    assert controller_cut_off({"a": 4.1, "b": 3.0, "c": 0.1, "d": 0.1}, T) == []
+    assert controller_cut_off({"a": 4.1, "b": 0.1}, T) == []
+    # nothing past the timeout yet: no verdict, however many are slow
+    assert controller_cut_off({n: 3.9 for n in quiet}, T) == []
+    assert controller_cut_off({}, T) == []

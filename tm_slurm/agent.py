@@ -285,6 +285,9 @@ class Agent:
                                 "this node is cut off; ending its workers, not the job",
                                 self.controller_timeout)
             self.kill_workers()
+            # the one trace a cut-off node can leave: its output went through the network
+            note = paths.lost_dir(self.job_dir) / f"agent-{self.node}.fenced"
+            note.write_text(f"cut off from a live controller after {self.controller_timeout}s of silence\n")
             return Exit.FENCED
         self.logger.warning("controller silent for %ss; checkpointing and ending the job",
                             self.controller_timeout)

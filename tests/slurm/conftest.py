@@ -23,6 +23,14 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slurm)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """`item.call_failed`, for fixtures that keep a failed test's evidence."""
+    rep = (yield).get_result()
+    if rep.when == "call" and rep.failed:
+        item.call_failed = True
+
+
 @pytest.fixture(scope="session")
 def minicluster():
     mc = MiniCluster()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import shutil
 import subprocess
 import sys
 import time
@@ -16,8 +15,7 @@ import pytest
 
 from tm_slurm import jobdir
 
-from ..jobs import ROBUST, TINY
-from .test_slurm_job import CONTROLLER_TIMEOUT, STEPS, Job
+from .test_slurm_job import STEPS, submit  # noqa: F401  (a fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 PLUGINS = REPO / "plugins"
@@ -43,31 +41,6 @@ sys.exit(args.fn(args) or 0)
 """)
     p.chmod(0o755)
     return p
-
-
-@pytest.fixture
-def submit(healthy_cluster, tmp_path):
-    made = []
-
-    def go(steps: int = STEPS, sets=()) -> Job:
-        sets = [*ROBUST, f"timeouts.controller_timeout_s={CONTROLLER_TIMEOUT}", *sets]
-        env = dict(healthy_cluster.env(), GPT_STEPS=str(steps), GPT_ARGS=" ".join(TINY),
-                   TM_SLURM_ARGS=" ".join(f"--set {s}" for s in sets))
-        p = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/%j.out", "sbatch/train.sbatch"],
-                           cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
-        assert p.returncode == 0, p.stderr
-        job = Job(healthy_cluster, p.stdout.strip().split(";")[0])
-        made.append(job)
-        return job
-
-    yield go
-    # ended, not only asked to end: a controller still stopping would write into its job
-    # directory after the rmtree
-    healthy_cluster.cancel_jobs()
-    for job in made:
-        shutil.rmtree(job.dir, ignore_errors=True)
-        for f in REPO.glob(f"slurm_job_{job.id}_resize.*"):   # Slurm writes these on a shrink
-            f.unlink()
 
 
 def test_evacuate_moves_the_job_off_and_the_node_ends_drained(submit, minicluster, tm_cli, reference):
@@ -128,7 +101,7 @@ def test_down_trigger_reaches_the_job_before_its_own_slurm_poll(submit, miniclus
     job logs its request long before its own Slurm poll, slowed to 60 s here, would come round.
     (The planned-migration counterpart, a --fail trigger on State=FAIL, never fires on Slurm
     22.05: slurmctld has no caller of trigger_node_failing. See plugins/README.md.)"""
-    job = submit(steps=400, sets=[f"slurm.poll_interval_s={SLOW_POLL_S}"])
+    job = submit(steps=400, extra_sets=[f"slurm.poll_interval_s={SLOW_POLL_S}"])
     log = tmp_path / "trigger.log"
     env = dict(minicluster.env(), TM_SLURM=str(tm_cli), TM_SLURM_TRIGGER_LOG=str(log))
     p = subprocess.run([str(PLUGINS / "strigger" / "install.sh")], env=env, capture_output=True,

@@ -16,7 +16,7 @@ import pytest
 from tm_slurm import events as evlog
 from tm_slurm import jobdir
 
-from ..jobs import ROBUST, TINY
+from ..jobs import ROBUST, TINY, leftovers
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 150
@@ -55,12 +55,14 @@ class Job:
         except (OSError, json.JSONDecodeError):
             return {}
 
-    def wait_warm(self, timeout: float = 120) -> None:
+    def wait_warm(self, timeout: float = 120, run: int = 0) -> None:
+        """`run`: of a requeued job, the how-manieth run (an earlier one's status.json stays)."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            st = self.status()
+            starts = [e["ts"] for e in self.events() if e["kind"] == "job_start"]
+            st = self.status() if len(starts) > run else {}
             nodes = st.get("nodes", {})
-            if st.get("state") == "RUNNING" and nodes and all(
+            if st.get("state") == "RUNNING" and st["updated"] > starts[run] and nodes and all(
                     n["ready"] for n in nodes.values() if n["role"] in ("ACTIVE", "STANDBY")):
                 return
             time.sleep(0.2)
@@ -84,7 +86,7 @@ class Job:
 
 
 @pytest.fixture
-def submit(healthy_cluster, tmp_path):
+def submit(healthy_cluster, tmp_path, request):
     made = []
 
     def go(*sbatch_args: str, steps: int = STEPS, extra_sets=(), gpt_extra=()) -> Job:
@@ -101,10 +103,27 @@ def submit(healthy_cluster, tmp_path):
 
     yield go
     # ended, not only asked to end: a controller still stopping would write into its job
-    # directory after the rmtree
-    healthy_cluster.cancel_jobs()
+    # directory after the rmtree. Failed nodes are restored first: a cut-off or frozen node's
+    # processes end only when its slurmd hears the job is gone
+    healthy_cluster.heal()
+    left = _job_processes_gone([job.dir for job in made])
+    failed = getattr(request.node, "call_failed", False)
     for job in made:
-        shutil.rmtree(job.dir, ignore_errors=True)
+        if not failed:                 # a failed test's job directory stays: its message names it
+            shutil.rmtree(job.dir, ignore_errors=True)
+        for f in REPO.glob(f"slurm_job_{job.id}_resize.*"):   # Slurm writes these on a shrink
+            f.unlink()
+    assert not left, f"processes left behind (now killed): {left}"
+
+
+def _job_processes_gone(dirs: list[Path], timeout: float = 30) -> list[str]:
+    """What of these jobs still runs `timeout` s after Slurm ended them (killed then)."""
+    end = time.monotonic() + timeout
+    while (left := [p for d in dirs for p in leftovers(d)]) and time.monotonic() < end:
+        time.sleep(0.5)
+    for entry in left:
+        subprocess.run(["kill", "-KILL", entry.split(" ", 1)[0]], capture_output=True)
+    return left
 
 
 def _finished(job: Job, ref: dict) -> None:
@@ -182,27 +201,78 @@ def test_node_crash_is_detected_before_slurm_and_recovered(submit, minicluster, 
           f"recovered: stall {rec['stall_s']}s, lost {rec['lost_steps']}")
 
 
-def test_batch_host_loss_checkpoints_and_requeues(submit, minicluster, ref_digests):
-    job = submit("--requeue")
-    job.wait_warm()
-    t = minicluster.fail("node1", "crash")           # the controller's node
-    end = time.monotonic() + 90
-    while time.monotonic() < end:
-        info = minicluster.scontrol("show", "job", "-o", job.id).stdout
-        if "Restarts=1" in info:
-            break
+def _batch_host(job: Job) -> str:
+    out = job.mc.scontrol("show", "job", "-o", job.id).stdout
+    return next(f.split("=", 1)[1] for f in out.split() if f.startswith("BatchHost="))
+
+
+def _requeued(job: Job, restarts: int, timeout: float = 90) -> float:
+    end = time.monotonic() + timeout
+    while f"Restarts={restarts}" not in job.mc.scontrol("show", "job", "-o", job.id).stdout:
+        assert time.monotonic() < end, f"job {job.id} was not requeued a {restarts}. time; see {job.dir}"
         time.sleep(0.5)
-    else:
-        raise AssertionError(f"job {job.id} was not requeued after the batch host died")
-    headless = time.time() - t
-    lost = jobdir.control_dir(job.dir) / "lost" / "run0"       # the first run's survivors
-    assert sorted(p.name for p in lost.glob("agent-*.done")) == [f"agent-node{i}.done" for i in (2, 3, 4, 5)]
-    minicluster.restore("node1", wait=True)
+    return time.time()
+
+
+def _survivors(job: Job, run: int) -> list[str]:
+    lost = jobdir.control_dir(job.dir) / "lost" / f"run{run}"
+    return sorted(p.name[len("agent-"):-len(".done")] for p in lost.glob("agent-*.done"))
+
+
+def test_batch_host_lost_twice_checkpoints_and_requeues_each_time(submit, minicluster, ref_digests):
+    # slower steps (same numbers): the requeued run must still be training when its host is cut
+    job = submit("--requeue", gpt_extra=("--sleep", "0.25"))
+    job.wait_warm()
+    first, st = _batch_host(job), job.status()
+    t = minicluster.fail(first, "crash")                 # the controller's node dies
+    headless = _requeued(job, 1) - t
+    assert _survivors(job, 0) == sorted(n for n in st["nodes"] if n != first)
+    minicluster.restore(first, wait=True)
+    job.wait_warm(run=1)
+    # the second run's batch host loses its network but keeps running: its controller hears
+    # none of its agents, knows it is the one cut off and stops its status.json, so the agents
+    # do not take it for alive (each would fence itself): they checkpoint and requeue again
+    second = _batch_host(job)
+    t2 = minicluster.fail(second, "netcut")
+    cut = job.wait_event("controller_cut_off", 30)
+    assert len(cut["lost"]) >= 3, cut
+    headless2 = _requeued(job, 2) - t2
+    assert len(_survivors(job, 1)) >= 3 and second not in _survivors(job, 1)
+    status = jobdir.status_file(job.dir)
+    minicluster.restore(second, wait=True)
     _finished(job, ref_digests)
     starts = [e for e in job.events() if e["kind"] == "job_start"]
-    assert len(starts) == 2 and starts[1]["resume_from"], "the requeued run resumed from the checkpoint"
-    print(f"\n[batch host] requeued {headless:.1f}s after the batch host died; resumed from "
-          f"{Path(starts[1]['resume_from']).name}")
+    assert len(starts) == 3 and all(s["resume_from"] for s in starts[1:]), "each requeued run resumed"
+    ends = [e for e in job.events() if e["kind"] == "job_end"]
+    assert [e["state"] for e in ends][-1] == "FINISHED" and status.exists()
+    print(f"\n[batch host] crash: requeued after {headless:.1f}s; netcut: requeued after "
+          f"{headless2:.1f}s; resumed from {[Path(s['resume_from']).name for s in starts[1:]]}")
+
+
+def test_netcut_and_hang_of_active_nodes_are_recovered_without_requeue(submit, minicluster, ref_digests):
+    job = submit("--nodes=6", extra_sets=["standby.count=2"], gpt_extra=("--sleep", "0.25"))
+    job.wait_warm()
+    assert leftovers(job.dir), "the leak check sees the job's processes (it could not fail otherwise)"
+    host = _batch_host(job)
+    cut, hung = [n for n in ("node3", "node4", "node2") if n != host][:2]
+    minicluster.fail(cut, "netcut")
+    job.wait_event("failure_detected", 60, node=cut)
+    job.wait_event("recovery_complete", 60)
+    # the cut-off agent sees status.json still rewritten: it ends its own workers, not the job
+    # (its output cannot cross the cut; the note it leaves in the shared job directory can)
+    note = jobdir.control_dir(job.dir) / "lost" / "run0" / f"agent-{cut}.fenced"
+    end = time.monotonic() + 30
+    while not note.exists():
+        assert time.monotonic() < end, f"{cut}'s agent did not fence itself; see {job.dir}"
+        time.sleep(0.5)
+    assert not _survivors(job, 0), "nobody took the controller for lost"
+    minicluster.fail(hung, "hang")
+    job.wait_event("failure_detected", 60, node=hung)
+    _finished(job, ref_digests)
+    assert "Restarts=0" in minicluster.scontrol("show", "job", "-o", job.id).stdout
+    recs = [i for i in job.result()["interruptions"] if i["kind"] == "unplanned"]
+    assert sorted(r["node"] for r in recs) == sorted([cut, hung]) and all(r["fallback"] is None for r in recs)
+    assert not job.seen("controller_cut_off")
 
 
 def test_usr1_before_time_limit_checkpoints_and_requeues(submit, minicluster, ref_digests):
@@ -219,4 +289,6 @@ def test_usr1_before_time_limit_checkpoints_and_requeues(submit, minicluster, re
     _finished(job, ref_digests)
     ends = [e for e in job.events() if e["kind"] == "job_end"]
     assert ends[0]["state"] == "REQUEUED"
+    starts = [e for e in job.events() if e["kind"] == "job_start"]
+    assert len(starts) == 2 and starts[1]["resume_from"], "the requeued run resumed from its checkpoint"
     print(f"\n[USR1] requeued {time.time() - t:.1f}s after the signal (incl. restart)")

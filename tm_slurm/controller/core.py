@@ -39,6 +39,7 @@ from .episodes.recovery import Recovery
 from .episodes.restart import FullRestart
 from .episodes.swap import PlannedSwap
 from .holders import Holders
+from .liveness import controller_cut_off
 from .intake import Decision, Fail, Intake, Migrate, ReleaseStandby, Stop, TakeCheckpoint
 from .pool import Pool
 from .progress import Progress
@@ -425,17 +426,32 @@ class Controller:
     def _check_liveness(self, now: float) -> None:
         if self.ending is not None:
             return                     # agents are going away on purpose
+        silence = {n: now - self.last_hb.get(n, now) for n, ch in self.channels.items()
+                   if not ch.dead and n not in self._agents_gone}
+        if lost := controller_cut_off(silence, self.T.heartbeat_timeout_s):
+            self.cut_off(lost, len(silence))
+            return
         for node, ch in list(self.channels.items()):
             if ch.broken and node not in self._agents_gone:
                 self.fail(node, "link_broken")
             if ch.dead or node in self._agents_gone:
                 continue
-            silent = now - self.last_hb.get(node, now)
+            silent = silence[node]
             if silent > self.T.heartbeat_timeout_s:
                 self.fail(node, "heartbeat_timeout", silent_s=round(silent, 3))
         for node, rc in self.launcher.poll():
             self._last_words(node)
             self._agent_gone(node, f"agent process ended rc={rc}")
+
+    def cut_off(self, lost: list[str], live: int) -> None:
+        """This controller lost most of its agents at once: it is the one cut off (liveness.py).
+        status.json goes still so that the agents see it gone; they checkpoint and the lowest
+        survivor requeues the job, so this side neither fails nodes nor requeues."""
+        self.records.status_frozen = True
+        self.requeue_wanted = False
+        self.log.emit("controller_cut_off", lost=lost, live=live)
+        self.stop(f"controller cut off from {len(lost)} of {live} nodes: the nodes checkpoint "
+                  "and requeue the job", JobState.REQUEUED, code=self.requeue_code)
 
     def _last_words(self, node: str) -> None:
         """Read what an agent sent before its process ended: the exit is often seen before its

@@ -26,6 +26,7 @@ class Records:
         self._shards_in: dict[int, set[str]] = {}
         self._verifying: dict[int, Future] = {}
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix="tm-ckpt-verify")
+        self.status_frozen = False      # a cut-off controller (liveness.py) stops its heartbeat file
 
     def steps(self, steps) -> None:
         """`steps.jsonl`: one line per step once every rank has committed it (again, after a
@@ -78,6 +79,8 @@ class Records:
     def write_status(self) -> None:
         """Atomic (readers never see half a file) but not fsynced: a snapshot, rewritten twice
         a second, that is worth no disk flush."""
+        if self.status_frozen:
+            return
         p = jobdir.status_file(self.ctl.job_dir)
         tmp = p.with_name(".status.json.tmp")
         try:
