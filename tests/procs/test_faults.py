@@ -7,6 +7,7 @@ A drain of node2 (rank 1: stage 0, dp 1) rebuilds the groups of rank 1: stage 0'
 (node1, node2) and replica 1's pipeline (node2, node4); node5 then node6 are the standbys.
 """
 import json
+import os
 import subprocess
 import sys
 
@@ -143,3 +144,39 @@ def test_shrink_failed_when_a_survivor_dies_during_the_shrink(tmp_path, referenc
     (failed,) = ran.kinds("shrink_failed")
     assert failed["node"] == "node4"
     _resume_to_end(ran, reference, STEPS, sets)
+
+
+def test_an_exit_checkpoint_that_cannot_be_written_ends_requeueable(tmp_path, reference):
+    """The checkpoint directory on a real 8 MiB tmpfs, filled at step 25, then a node dies with
+    no standby: the exit checkpoint fails, the job still ends requeue-able and says from which
+    checkpoint the next run resumes, and that run ends bit-identical."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(ck)], check=True)
+    filler = ck / "filler"
+
+    def fill_then_kill(job_dir):
+        from tm_slurm.launch.local import fail
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            while os.write(fd, b"\0" * (1 << 16)):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        fail(job_dir, "node2", "kill")
+
+    sets = ["standby.count=0", f"checkpoint.dir={ck}"]
+    try:
+        ran = run_job(tmp_path, "4+0", STEPS, [(25, fill_then_kill, "-")], sets=sets)
+        assert ran.rc == 75
+        (failed,) = ran.kinds("exit_checkpoint_failed")
+        assert failed["step"] >= 25 and "No space left" in failed["error"], failed
+        assert failed["resume_from"] and int(failed["resume_from"][-8:]) < failed["step"], failed
+        (end,) = [e for e in ran.kinds("job_state") if e["state"] == "REQUEUED"]
+        assert "could not be written" in end["why"] and "resumes from step" in end["why"], end
+        filler.unlink()
+        _resume_to_end(ran, reference, STEPS, sets)
+    finally:
+        subprocess.run(["umount", "-l", str(ck)], check=False)

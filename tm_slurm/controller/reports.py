@@ -38,6 +38,8 @@ def on_checkpoint(ctl, node: str, local: int, rep: CheckpointDone) -> None:
         # the rank trains on; this step's checkpoint never completes, the previous one stays
         ctl.log.emit("checkpoint_failed", node=node, rank=rep.rank, step=rep.step, reason=rep.reason,
                      error=rep.error)
+        if ctl.ending is not None:
+            ctl.ending.checkpoint_failed(rep.step, f"rank {rep.rank}: {rep.error}"[:300])
         return
     if rep.path:
         ctl.log.emit("checkpoint_saved", node=node, rank=rep.rank, step=rep.step, reason=rep.reason,

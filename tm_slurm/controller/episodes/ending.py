@@ -33,6 +33,11 @@ class Ending(Episode):
         self.why, self.final, self.code, self.wait_workers = why, final, code, wait_workers
         self.t = port.now()
         self.t_shutdown: float | None = None
+        self.checkpoint_error: tuple[int, str] | None = None   # the exit checkpoint's first failure
+
+    def checkpoint_failed(self, step: int, error: str) -> None:
+        if self.checkpoint_error is None:
+            self.checkpoint_error = (step, error)
 
     def start(self) -> None:
         self.port.job.set(JobState.STOPPING, why=self.why)
@@ -47,7 +52,15 @@ class Ending(Episode):
             p.broadcast(Shutdown(self.why))
         if p.agents_alive() and now - self.t_shutdown < p.T.shutdown_s + 2:
             return
-        p.job.set(self.final, why=self.why)
+        why = self.why
+        if self.checkpoint_error is not None and self.final == JobState.REQUEUED:
+            # still requeue-able: the newest valid checkpoint stays, only the steps since are lost
+            step, error = self.checkpoint_error
+            last = p.latest_checkpoint()
+            since = f"step {last[0]} ({last[1]})" if last else "the start (no valid checkpoint)"
+            p.log.emit("exit_checkpoint_failed", step=step, error=error, resume_from=last and last[1])
+            why = f"{why}; the checkpoint of step {step} could not be written ({error}): the next run resumes from {since}"
+        p.job.set(self.final, why=why)
         p.set_exit_code(self.code)
         self.to(S.DONE)
 
