@@ -33,6 +33,9 @@ def add_parser(sub) -> None:
     b.add_argument("--scaling", action="store_true", help="also: swap cost vs world size")
     b.add_argument("--frames", action="store_true", help="only: what a control-plane frame costs "
                    "(seal + open, HMAC) against pickle, in microseconds")
+    b.add_argument("--soak", type=int, metavar="STEPS", help="only: one run this long with a planned "
+                   "swap every --soak-every steps; the controller's memory and store keys over time")
+    b.add_argument("--soak-every", type=int, default=1000)
     b.add_argument("--analyze", metavar="DIR", help="recompute the table from the runs in an earlier "
                    "bench directory instead of running them (the overhead runs still run)")
     b.set_defaults(fn=main)
@@ -43,6 +46,13 @@ def main(args) -> int:
         costs = frame_costs()
         print(json.dumps(costs, indent=1) if args.json else frames_table(costs))
         return 0
+    if args.soak:
+        from .soak import soak, table as soak_table
+        root = Path(args.out or Path.cwd() / "tm_slurm_jobs" / f"soak-{time.strftime('%Y%m%d-%H%M%S')}")
+        out = soak(root, args.soak, args.soak_every)
+        (root / "soak.json").write_text(json.dumps(out, indent=1))
+        print(json.dumps(out, indent=1) if args.json else soak_table(out))
+        return 0 if out["rc"] == 0 else 1
     scenarios = args.scenarios.split(",") if not args.quick else ["planned", "unplanned"]
     strategies = args.strategies.split(",")
     bad = [s for s in scenarios if s not in runs.SCENARIOS] + [s for s in strategies if s not in runs.STRATEGIES]
