@@ -144,9 +144,13 @@ def _switch(w: Worker, plan: SwapPlan, next_step: int) -> None:
         link = next(g for g in built.values() if is_link(g))
         info = send_state(link.pg, w.state, next_step, w.transfer_sealer(), peer=1)
         w.report("left", next_step, plan=plan.id, **info)
-        # nobody else deletes this rank's last vote keys: off the stayers' path, they are going on
-        while w.voted:
-            votes.forget(w.store, *w.voted.popleft(), w.rank)
+        # nobody else deletes this rank's last vote keys: off the stayers' path, they are going on;
+        # a store that fails now costs only the keys, never the leaver's clean exit
+        try:
+            while w.voted:
+                votes.forget(w.store, *w.voted.popleft(), w.rank)
+        except Exception:
+            pass
         exit_clean()
     before = w.table.identities()
     w.install(built)
