@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("demo", help="the one-command tour: run the example, drain a node, check")
     m.add_argument("--json", action="store_true")
     m.add_argument("--scenario", choices=("planned", "unplanned", "both"), default="both")
-    m.add_argument("--steps", type=int, default=60)
+    m.add_argument("--steps", type=int, help="default 60; 800 with --compile (the standbys must be "
+                   "warm before the interruptions come)")
     m.add_argument("--compile", action="store_true", help="torch.compile the example model")
     m.set_defaults(fn=cmd_demo)
 

@@ -201,7 +201,9 @@ def compare(ref: dict, run: dict) -> tuple[bool, list[str]]:
 
 
 def main(args) -> int:
-    steps = args.steps
+    # compiling every role in the sandbox takes a standby ~80 s here: a run long enough for the
+    # interruptions to come after it (as `tm-slurm bench --compile`)
+    steps = args.steps or (800 if args.compile else 60)
     root = Path.cwd() / "tm_slurm_jobs" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     local, actions = scenario_actions(args.scenario, steps)
     extra = ["--compile"] if args.compile else []
@@ -217,6 +219,12 @@ def main(args) -> int:
     say(f"  run with interruptions finished (exit {rc})")
     if rc_ref != 0 or rc != 0:
         say(f"  a run failed; see {root}/*.out and the job directories")
+        return 1
+    missing = actions[len(run.done):]
+    if missing:
+        # a tour that shows no interruption is no success, however identical its digests
+        say(f"  the run ended before it could {', '.join(f'{v} {n} {_when(at)}' for at, v, n in missing)}: "
+            f"its standbys were not warm in time (the first compile takes minutes); run more --steps")
         return 1
     r_ref, r_run = ref.result(), run.result()
     same, diffs = compare(r_ref, r_run)

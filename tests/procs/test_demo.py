@@ -29,3 +29,12 @@ def test_demo_reports_a_planned_and_an_unplanned_event_and_bitwise_continuity(tm
         assert e["detect_s"] is not None and e["stall_s"] is not None and e["lost_steps"] <= 1
     assert [a["verb"] for a in out["injected"]] == ["drain", "kill"]
     assert not leftovers(tmp_path)
+
+
+def test_a_demo_that_cannot_inject_what_it_announced_says_so_and_fails(tmp_path):
+    # 4 steps end long before the standbys have rehearsed their roles in the sandbox
+    r = subprocess.run([sys.executable, "-m", "tm_slurm", "demo", "--scenario", "planned", "--steps", "4"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "the run ended before it could drain node2" in r.stdout + r.stderr
+    assert not leftovers(tmp_path)
