@@ -36,10 +36,12 @@ def test_leaver_dies_during_the_state_transfer(tmp_path, reference):
     # the switch happened (the stayers are on the new groups) and the leaver died half-way
     # through its state: the joiner, its receive broken, fails in turn, and its rank is
     # recovered onto the other standby from its DP replica, not from a checkpoint
-    assert [e["node"] for e in ran.kinds("failure_detected")] == ["node5"]
-    assert "node2" in {e["node"] for e in ran.kinds("node_released")}
+    # (the dead leaver holds no rank any more: whether its exit or its broken link is seen first,
+    # released or failed, nothing of it is recovered)
+    assert "node5" in [e["node"] for e in ran.kinds("failure_detected")]
     (rec,) = ran.interruption("unplanned")
-    assert rec["joiners"] == ["node6"] and rec["fallback"] is None and rec["lost_steps"] <= 1, rec
+    assert rec["failed_nodes"] == ["node5"] and rec["joiners"] == ["node6"], rec
+    assert rec["fallback"] is None and rec["lost_steps"] <= 1, rec
 
 
 def test_stayer_dies_during_phase1(tmp_path, reference):
