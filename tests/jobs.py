@@ -10,12 +10,11 @@ from pathlib import Path
 
 from tm_slurm import events as evlog
 from tm_slurm import jobdir
-from tm_slurm.demo import JobRun
+from tm_slurm.demo import TINY_MODEL, JobRun
 
-# a small model: startup (imports) dominates, steps are ~50 ms on this 2-core machine
-# (paced with a short sleep so a standby's warm-up, ~5 s here, fits well inside a run)
-TINY = ["--vocab", "64", "--dim", "32", "--layers", "4", "--heads", "2", "--seq", "16", "--batch", "4",
-        "--sleep", "0.06"]
+# steps are ~50 ms on this 2-core machine, paced with a short sleep so a standby's warm-up
+# (~5 s here) fits well inside a run
+TINY = [*TINY_MODEL, "--sleep", "0.06"]
 # generous liveness on a loaded 2-core CI machine (a false "dead" would be a test failure)
 ROBUST = ["timeouts.heartbeat_timeout_s=4", "timeouts.worker_heartbeat_timeout_s=4",
           "checkpoint.every_steps=10"]
@@ -58,11 +57,12 @@ def leftovers(job_dir: Path, zombies: bool = False) -> list[str]:
 
 def no_leftovers(job_dir: Path) -> None:
     """Fail if anything of the job is left, after killing it so the next test starts clean."""
-    left = _killed(job_dir)
+    left = kill_leftovers(job_dir)
     assert not left, f"processes left behind (now killed): {left}"
 
 
-def _killed(job_dir: Path) -> list[str]:
+def kill_leftovers(job_dir: Path) -> list[str]:
+    """What of the job is left (see `leftovers`), SIGKILLed."""
     left = leftovers(job_dir, zombies=True)
     for entry in left:
         try:
@@ -81,7 +81,7 @@ def run_job(tmp: Path, local: str, steps: int, actions=(), sets=(), script_args=
     try:
         rc = r.run(timeout)
     except TimeoutError as e:          # the leak check runs on a timeout too
-        raise TimeoutError(f"{e}; processes left behind (now killed): {_killed(r.job_dir)}") from None
+        raise TimeoutError(f"{e}; processes left behind (now killed): {kill_leftovers(r.job_dir)}") from None
     no_leftovers(r.job_dir)
     res = json.loads(jobdir.result_file(r.job_dir).read_text()) if jobdir.result_file(r.job_dir).exists() else {}
     return Ran(r.job_dir, rc, res, list(evlog.read(jobdir.events_file(r.job_dir))), r.done)

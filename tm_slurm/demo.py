@@ -20,6 +20,11 @@ from .controller.requests import submit
 from .launch.local import fail, nodes_file
 
 SBATCH = Path(__file__).resolve().parent.parent / "sbatch"
+# the example's smallest model (the tests, the soak): startup and the control plane dominate a step
+TINY_MODEL = ["--vocab", "64", "--dim", "32", "--layers", "4", "--heads", "2", "--seq", "16", "--batch", "4"]
+# compiling every role in the sandbox takes a standby ~80 s here (while the active ranks compile
+# too): a run with --compile this long still has its interruptions after that
+COMPILE_STEPS = 800
 
 
 def example_paths() -> tuple[Path, Path]:
@@ -201,9 +206,7 @@ def compare(ref: dict, run: dict) -> tuple[bool, list[str]]:
 
 
 def main(args) -> int:
-    # compiling every role in the sandbox takes a standby ~80 s here: a run long enough for the
-    # interruptions to come after it (as `tm-slurm bench --compile`)
-    steps = args.steps or (800 if args.compile else 60)
+    steps = args.steps or (COMPILE_STEPS if args.compile else 60)
     root = Path.cwd() / "tm_slurm_jobs" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     local, actions = scenario_actions(args.scenario, steps)
     extra = ["--compile"] if args.compile else []

@@ -16,7 +16,7 @@ import pytest
 from tm_slurm import events as evlog
 from tm_slurm import jobdir
 
-from ..jobs import ROBUST, TINY, leftovers
+from ..jobs import ROBUST, TINY, kill_leftovers, leftovers
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 150
@@ -119,11 +119,9 @@ def submit(healthy_cluster, tmp_path, request):
 def _job_processes_gone(dirs: list[Path], timeout: float = 30) -> list[str]:
     """What of these jobs still runs `timeout` s after Slurm ended them (killed then)."""
     end = time.monotonic() + timeout
-    while (left := [p for d in dirs for p in leftovers(d)]) and time.monotonic() < end:
+    while any(leftovers(d) for d in dirs) and time.monotonic() < end:
         time.sleep(0.5)
-    for entry in left:
-        subprocess.run(["kill", "-KILL", entry.split(" ", 1)[0]], capture_output=True)
-    return left
+    return [p for d in dirs for p in kill_leftovers(d)]
 
 
 def _finished(job: Job, ref: dict) -> None:

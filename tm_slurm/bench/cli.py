@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..demo import COMPILE_STEPS
 from . import runs
 from .frames import frame_costs
 from .frames import table as frames_table
@@ -61,9 +62,7 @@ def main(args) -> int:
               file=sys.stderr)
         return 2
     reps = 1 if args.quick else args.reps
-    # compiling every role in the sandbox takes a standby ~80 s here (while the active ranks
-    # compile too): a longer run, so the event still comes after it
-    steps = args.steps or (800 if args.compile else 100)
+    steps = args.steps or (COMPILE_STEPS if args.compile else 100)
     steps, at = (60, 20) if args.quick else (steps, args.at_step)
     hang = min(args.hang_timeout, 10.0) if args.quick else args.hang_timeout
     extra = (["--sleep", str(args.sleep)] if args.sleep else []) + (["--compile"] if args.compile else [])

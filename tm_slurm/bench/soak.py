@@ -10,12 +10,7 @@ from pathlib import Path
 
 from .. import jobdir
 from ..controller.requests import submit
-from ..demo import JobRun
-
-# the tests' tiny model without the example's pacing sleep: the control plane's cost per step
-# dominates, as it must for a soak of the control plane
-TINY = ["--vocab", "64", "--dim", "32", "--layers", "4", "--heads", "2", "--seq", "16", "--batch", "4",
-        "--sleep", "0"]
+from ..demo import TINY_MODEL, JobRun
 
 
 def soak(root: Path, steps: int, every: int, timeout: float = 7200) -> dict:
@@ -34,7 +29,7 @@ def soak(root: Path, steps: int, every: int, timeout: float = 7200) -> dict:
     for at in range(every, steps, every):
         actions += [(at - every // 2, sample, "-"), (at, drain_one, "-")]
     actions.append((steps - every // 2, sample, "-"))
-    run = JobRun(root / "soak", "4+1", steps, actions, script_args=TINY,
+    run = JobRun(root / "soak", "4+1", steps, actions, script_args=TINY_MODEL,
                  sets=["standby.replenish=true", "standby.replenish_target=1", "checkpoint.every_steps=1000"])
     t0 = time.monotonic()
     rc = run.run(timeout)
