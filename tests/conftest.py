@@ -12,11 +12,11 @@ _refs: dict = {}
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """Digests of an undisturbed run of the same job (memoised per layout and length)."""
-    def get(steps: int, layout=("--dp", "2", "--pp", "2"), active: int = 4, script_args=()):
-        key = (steps, tuple(layout), active, tuple(script_args))
+    def get(steps: int, layout=("--dp", "2", "--pp", "2"), active: int = 4, script_args=(), script=None):
+        key = (steps, tuple(layout), active, tuple(script_args), script)
         if key not in _refs:
             ran = run_job(tmp_path_factory.mktemp("ref"), f"{active}+0", steps, sets=["standby.count=0"],
-                          layout=layout, script_args=script_args)
+                          layout=layout, script_args=script_args, script=script)
             assert ran.rc == 0, f"reference run failed: {ran.job_dir}"
             _refs[key] = ran.result["digests"]
         return _refs[key]

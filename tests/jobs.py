@@ -73,11 +73,13 @@ def kill_leftovers(job_dir: Path) -> list[str]:
 
 
 def run_job(tmp: Path, local: str, steps: int, actions=(), sets=(), script_args=(), layout=(),
-            timeout: float = 420, faults: str = "") -> Ran:
-    """`faults`: TM_SLURM_FAULTS for the job (tm_slurm/faults.py), e.g. "join.ready@node5"."""
+            timeout: float = 420, faults: str = "", script: Path | None = None) -> Ran:
+    """`faults`: TM_SLURM_FAULTS for the job (tm_slurm/faults.py), e.g. "join.ready@node5".
+    `script`: another job than the example (with the same pacing, not its model arguments)."""
     r = JobRun(tmp / "job", local, steps, list(actions), extra_args=list(layout),
-               script_args=[*TINY, *script_args], sets=[*ROBUST, *sets],
-               env={"TM_SLURM_FAULTS": faults} if faults else None)
+               script_args=[*(TINY if script is None else TINY[-2:]), *script_args],
+               sets=[*ROBUST, *sets], env={"TM_SLURM_FAULTS": faults} if faults else None,
+               script=script)
     try:
         rc = r.run(timeout)
     except TimeoutError as e:          # the leak check runs on a timeout too

@@ -43,8 +43,9 @@ class JobRun:
 
     def __init__(self, job_dir: Path, local: str, steps: int, actions: list[tuple[int | str, str, str]],
                  extra_args: list[str] = (), script_args: list[str] = (), config: Path | None = None,
-                 sets: list[str] = (), env: dict[str, str] | None = None):
-        script, cfg = example_paths()
+                 sets: list[str] = (), env: dict[str, str] | None = None, script: Path | None = None):
+        example, cfg = example_paths()
+        script = script or example
         self.job_dir, self.actions, self.env = job_dir, list(actions), env
         self.argv = [sys.executable, "-m", "tm_slurm", "run", "--local", local, "--config",
                      str(config or cfg), "--job-dir", str(job_dir), *extra_args]

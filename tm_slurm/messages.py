@@ -350,6 +350,8 @@ class Finished(Report):
 @dataclass(frozen=True)
 class Crashed(Report):
     error: str
+    script_error: bool = False      # the script misuses the API: it fails the same way anywhere
+
 
     KIND: ClassVar[str] = "crashed"
 

@@ -22,6 +22,35 @@ from .groups import Group
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+class FailThroughWork(dist.Work):
+    """What every collective returns (to the low-level API and to torch code such as DDP's
+    reducer, which waits on its future): it completes, successfully, even when the collective
+    failed, so the step runs on to the vote."""
+
+    def __init__(self, fut: torch.futures.Future):
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout=None) -> bool:
+        self._fut.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def is_success(self) -> bool:
+        return True
+
+
+def done(outs: list) -> FailThroughWork:
+    f = torch.futures.Future()
+    f.set_result(outs)
+    return FailThroughWork(f)
+
+
 class GroupTable:
     """Current group instances by id, plus which of them broke during the current step."""
 
@@ -50,43 +79,69 @@ class GroupTable:
         with self._lock:
             return [self.groups.pop(i) for i in list(ids) if i in self.groups]
 
-    def run(self, gid: str, fn: Callable[[Group], None]) -> bool:
+    def _broke(self, gid: str, e: BaseException) -> None:
+        # on a backend's thread too (a future's callback): a set add and a report, both safe there
+        self.broken.add(gid)
+        self.on_error(gid, e)
+
+    def call(self, gid: str, op: str, args: tuple, outs: list) -> FailThroughWork:
+        """`op` (a ProcessGroup method: "allreduce", "_allgather_base", "send", ...) with `args` on
+        the current instance of group `gid`. The work returned never fails: a failure completes it
+        with `outs` (the tensors it writes) as they are and marks the group broken for this step."""
         if gid in self.broken:
-            return False
+            return done(outs)
         g = self.groups.get(gid)
         if g is None:
-            self.broken.add(gid)
-            self.on_error(gid, RuntimeError(f"group {gid} is not built"))
-            return False
+            self._broke(gid, RuntimeError(f"group {gid} is not built"))
+            return done(outs)
+        try:
+            work = getattr(g.pg, op)(*args)
+        except Exception as e:          # gloo: RuntimeError / DistBackendError on a dead or hung peer
+            self._broke(gid, e)
+            return done(outs)
+        try:
+            fut = work.get_future()
+        except RuntimeError:            # gloo's send and recv have none: wait here, once (a gloo
+            try:                        # work waited twice waits for a second completion)
+                work.wait()
+            except Exception as e:
+                self._broke(gid, e)
+            return done(outs)
+
+        def settle(f):
+            try:
+                f.value()
+            except Exception as e:
+                self._broke(gid, e)
+            return outs
+        return FailThroughWork(fut.then(settle))
+
+    def _wait(self, gid: str, op: str, args: tuple, outs: list) -> bool:
         t0 = time.perf_counter()
         try:
-            fn(g)
-            return True
-        except Exception as e:          # gloo: RuntimeError / DistBackendError on a dead or hung peer
-            self.broken.add(gid)
-            self.on_error(gid, e)
-            return False
+            self.call(gid, op, args, outs).wait()
         finally:
             self.comm_s += time.perf_counter() - t0
+        return gid not in self.broken
 
-    # ---- primitive ops (the sandbox's table overrides these)
+    # ---- the low-level API's ops (Comm, PipeComm), each waited for
     def allreduce(self, gid: str, t: torch.Tensor, op: str) -> bool:
         o = dist.AllreduceOptions()
         o.reduceOp = _OPS[op]
         o.timeout = self.op_timeout
-        return self.run(gid, lambda g: g.pg.allreduce([t], o).wait())
+        return self._wait(gid, "allreduce", ([t], o), [t])
 
     def broadcast(self, gid: str, t: torch.Tensor, root: int) -> bool:
         o = dist.BroadcastOptions()
         o.rootRank = root
         o.timeout = self.op_timeout
-        return self.run(gid, lambda g: g.pg.broadcast([t], o).wait())
+        return self._wait(gid, "broadcast", ([t], o), [t])
 
     def send(self, gid: str, t: torch.Tensor, peer: int) -> bool:
-        return self.run(gid, lambda g: g.pg.send([t], peer, 0).wait())
+        return self._wait(gid, "send", ([t], peer, 0), [t])
 
     def recv(self, gid: str, t: torch.Tensor, peer: int) -> bool:
-        ok = self.run(gid, lambda g: g.pg.recv([t], peer, 0).wait())
+        ok = self._wait(gid, "recv", ([t], peer, 0), [t])
         if not ok:
             t.zero_()
         elif self.recorder is not None:
@@ -95,10 +150,11 @@ class GroupTable:
 
 
 class Comm:
-    """Collectives over one group (DP or TP). Size 1: every op is a local no-op."""
+    """Collectives over one group (DP or TP). Size 1: every op is a local no-op. `group` is the
+    same group as a torch ProcessGroup (for DDP and `dist.*` calls)."""
 
-    def __init__(self, table: GroupTable, gid: str | None, size: int, rank: int):
-        self._table, self.gid, self.size, self.rank = table, gid, size, rank
+    def __init__(self, table: GroupTable, gid: str | None, size: int, rank: int, group=None):
+        self._table, self.gid, self.size, self.rank, self.group = table, gid, size, rank, group
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.size > 1:

@@ -165,6 +165,8 @@ def run(cfg: cfgmod.Config, spec: JobSpec) -> int:
     rc = ctl.run()
     print(f"tm-slurm: job {spec.job_id} ended {ctl.job.state.value} (exit {rc}); events in "
           f"{spec.job_dir / 'events.jsonl'}", file=sys.stderr, flush=True)
+    if ctl.job.state == JobState.FAILED and ctl.ending is not None:
+        print(f"tm-slurm: {ctl.ending.why}", file=sys.stderr, flush=True)
     if ctl.job.state == JobState.REQUEUED and not cfg.slurm.requeue_on_exit:
         print(f"tm-slurm: interrupted, resumable: continue with `tm-slurm run --resume {spec.job_dir} "
               f"...` (the same options)", file=sys.stderr, flush=True)

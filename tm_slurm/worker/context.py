@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from ..comm.handles import Comm, GroupTable, PipeComm
+from ..comm.torchgroup import TorchGroup
 from ..topology import Topology
 
 
@@ -38,11 +39,22 @@ class Context:
         return self.pp_rank == self.pp_size - 1
 
 
+def torch_groups(topo: Topology) -> dict[str, TorchGroup]:
+    """A worker's torch process groups, made once: training code keeps them for the whole run."""
+    return {"dp": TorchGroup("dp", topo.layout.dp), "tp": TorchGroup("tp", topo.layout.tp)}
+
+
 def make_context(topo: Topology, rank: int, table: GroupTable, device: torch.device, seed: int,
-                 sandbox: bool = False) -> Context:
+                 sandbox: bool = False, groups: dict[str, TorchGroup] | None = None) -> Context:
+    """`rank`'s context on `table`; `groups` (the worker's `torch_groups`) are bound to it too."""
     c = topo.coord(rank)
     lay = topo.layout
-    ids = {g.kind: g.id for g in topo.groups_of(rank) if g.kind in ("dp", "tp")}
+    mine = {g.kind: g for g in topo.groups_of(rank) if g.kind in ("dp", "tp")}
+    ids = {k: g.id for k, g in mine.items()}
+    groups = groups or torch_groups(topo)
+    for kind, tg in groups.items():
+        g = mine.get(kind)
+        tg.bind(table, g and g.id, g.group_rank(rank) if g else 0)
     prev_id = next_id = None
     for g in topo.groups_of(rank):
         if g.kind == "pp":
@@ -53,5 +65,5 @@ def make_context(topo: Topology, rank: int, table: GroupTable, device: torch.dev
     return Context(
         rank=rank, world=lay.world, dp_rank=c.dp, dp_size=lay.dp, pp_rank=c.pp, pp_size=lay.pp,
         tp_rank=c.tp, tp_size=lay.tp, role=topo.role(rank).name, device=device,
-        dp=Comm(table, ids.get("dp"), lay.dp, c.dp), pp=PipeComm(table, prev_id, next_id),
-        tp=Comm(table, ids.get("tp"), lay.tp, c.tp), seed=seed, sandbox=sandbox)
+        dp=Comm(table, ids.get("dp"), lay.dp, c.dp, groups["dp"]), pp=PipeComm(table, prev_id, next_id),
+        tp=Comm(table, ids.get("tp"), lay.tp, c.tp, groups["tp"]), seed=seed, sandbox=sandbox)

@@ -27,14 +27,14 @@ from ..exits import Exit
 from ..messages import Crashed, SwapPlan
 from . import checkpoint as ckpt
 from . import lost, promote
-from .rank import BuildFn, StepFn, Worker, exit_clean, is_link
+from .rank import BuildFn, MisuseError, StepFn, Worker, exit_clean, is_link
 from .sandbox import Recorder
 from .state import digest, nbytes, send_state
 
 ENV_FD = "TM_SLURM_AGENT_FD"
 
 
-def start(w: Worker, build_fn: BuildFn, step_fn: StepFn, steps: int) -> int:
+def start(w: Worker, build_fn: BuildFn, step_fn: StepFn) -> int:
     """Become an active rank (at launch) or warm up and park as a standby until promoted.
     Returns the first step to run."""
     if w.launch.role != "ACTIVE":
@@ -43,14 +43,15 @@ def start(w: Worker, build_fn: BuildFn, step_fn: StepFn, steps: int) -> int:
     c = w.topo.coord(w.rank)
     if w.cfg.standby.sandbox and w.topo.layout.pp > 1 and c.dp == 0 and c.tp == 0:
         w.table.recorder = Recorder()      # stand-ins for standbys, from the first step
+    # groups first: the user's build may already use them (DDP broadcasts rank 0's parameters)
+    t0 = time.perf_counter()
+    w.install(w.build(w.store_client(w.T.admit_timeout_s), list(w.launch.groups)))
+    build_s = time.perf_counter() - t0
     w.state = build_fn(w.ctx)
     start = w.launch.start_step
     if w.launch.checkpoint:
         start = ckpt.load(Path(w.launch.checkpoint), w.rank, w.topo, w.state)
-    t0 = time.perf_counter()
-    w.install(w.build(w.store_client(w.T.admit_timeout_s), list(w.launch.groups)))
-    w.report("started", start, build_s=time.perf_counter() - t0, state_bytes=nbytes(w.state),
-             steps=steps)
+    w.report("started", start, build_s=build_s, state_bytes=nbytes(w.state), steps=w.total_steps)
     return start
 
 
@@ -167,16 +168,13 @@ def _finish(w: Worker, step: int) -> None:
     exit_clean()
 
 
-def run(build: BuildFn, step: StepFn, steps: int) -> None:
-    """Entry point for the user's script (see the README's porting guide)."""
+def connect(how: str) -> tuple[Wire, Keys]:
+    """The worker's end of its agent's socket, keyed with the job's secret. `how`: the line that
+    says how this script is launched, for a script started outside tm-slurm."""
     fd = os.environ.get(ENV_FD)
-    if fd is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        from .plain import run_plain      # launched by torchrun: plain training, no swaps
-        run_plain(build, step, steps)
     if fd is None:
-        raise SystemExit("this script runs under tm-slurm: `tm-slurm run --local 4+1 -- python "
-                         f"{sys.argv[0]}` (or inside an sbatch job: see sbatch/train.sbatch); "
-                         "under torchrun it trains without the runtime")
+        raise SystemExit(f"this script runs under tm-slurm: `tm-slurm run --local 4+1 -- python "
+                         f"{sys.argv[0]}` (or inside an sbatch job: see sbatch/train.sbatch); {how}")
     # Slurm's SIGTERM (a time limit, scancel) reaches every process of the step; the controller
     # hears of it through the agent and has this rank checkpoint before SIGKILL (agent.on_sigterm)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -185,13 +183,32 @@ def run(build: BuildFn, step: StepFn, steps: int) -> None:
     keys = Keys.derive(boot[:32])
     node, local = os.environ.get("TM_SLURM_NODE", ""), os.environ.get("TM_SLURM_LOCAL", "0")
     wire.sealer = Sealer(keys, boot[32:].decode(), f"{node}/w{local}", peer=node)
+    return wire, keys
+
+
+def crashed(wire: Wire, exc: BaseException | None = None) -> None:
+    """Tell the agent why this worker ends (`exc`, or the exception being handled), and end."""
+    if exc is None:
+        exc = sys.exc_info()[1]
+    text = "".join(traceback.format_exception(exc))
+    sys.stderr.write(text)
+    wire.send(Crashed(-1, None, None, error=text[-2000:], script_error=isinstance(exc, MisuseError)))
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def run(build: BuildFn, step: StepFn, steps: int) -> None:
+    """Entry point for the user's script (see the README's porting guide)."""
+    if os.environ.get(ENV_FD) is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        from .plain import run_plain      # launched by torchrun: plain training, no swaps
+        run_plain(build, step, steps)
+    wire, keys = connect("under torchrun it trains without the runtime")
     try:
         w = Worker(wire, keys)
-        train(w, step, steps, start(w, build, step, steps))
+        w.total_steps = steps
+        train(w, step, steps, start(w, build, step))
     except SystemExit:
         raise
     except BaseException:
-        traceback.print_exc()
-        wire.send(Crashed(-1, None, None, error=traceback.format_exc()[-2000:]))
-        os._exit(1)
+        crashed(wire)
     os._exit(Exit.AGENT_GONE)  # unreachable: train() always exits the process

@@ -29,12 +29,17 @@ from ..control.wire import Wire
 from ..messages import Assign, GroupBuild, Launch, Prepare, SwapPlan, report
 from ..topology import Topology
 from . import checkpoint as ckpt
-from .context import Context, make_context
+from .context import Context, make_context, torch_groups
 from .inbox import Inbox
 from .state import TrainState
 
 StepFn = Callable[[Context, TrainState, int], object]
 BuildFn = Callable[[Context], TrainState]
+
+
+class MisuseError(RuntimeError):
+    """The script uses the API or torch.distributed in a way the runtime cannot keep consistent:
+    it would fail the same way on any node (the job fails instead of recovering)."""
 
 
 def store_client(addr: tuple[str, int], timeout: float, keys: Keys) -> SealedStore:
@@ -67,6 +72,8 @@ class Worker:
         self.iface = self.cfg.comm.interface or socket.gethostname()
         self.store = self.store_client(self.T.vote_timeout_s)
         self.table = GroupTable(self._on_comm_error, self.T.collective_timeout_s)
+        self.torch_groups = torch_groups(self.topo)      # the same objects for the whole run
+        self.total_steps: int | None = None
         self.reaper = Reaper()
         self.prepared: dict[int, dict[str, Group]] = {}
         self.state: TrainState | None = None
@@ -101,7 +108,8 @@ class Worker:
 
     def set_rank(self, rank: int) -> None:
         self.rank = rank
-        self.ctx = make_context(self.topo, rank, self.table, self.device, self.cfg.seed)
+        self.ctx = make_context(self.topo, rank, self.table, self.device, self.cfg.seed,
+                                groups=self.torch_groups)
 
     # ------------------------------------------------------------ groups
     def build(self, store, builds: list[GroupBuild], joiner: bool = False,

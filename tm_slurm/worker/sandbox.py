@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from .. import jobdir
-from ..comm.handles import GroupTable
+from ..comm.handles import GroupTable, done
+from ..comm.torchgroup import serve_locally
 from ..events import fsync_write
 from ..topology import Coord, Topology
 
@@ -62,29 +63,26 @@ def load_standins(job_dir: Path) -> dict[str, torch.Tensor]:
 
 
 class SandboxTable(GroupTable):
-    """Every op local: an allreduce leaves the local value (every replica "agrees"), a send goes
-    nowhere, a recv is filled with a recorded stand-in of the same shape."""
+    """Every op local (`serve_locally`: an allreduce leaves the local value, every replica
+    "agrees"; an all-gather repeats it); a send goes nowhere, a recv is filled with a recorded
+    stand-in of the same shape. `sizes`: each group id's size (gathers and scatters need it)."""
 
-    def __init__(self, standins: dict[str, torch.Tensor]):
+    def __init__(self, standins: dict[str, torch.Tensor], sizes: dict[str, int] | None = None):
         super().__init__(lambda gid, e: None, op_timeout=1.0)
         self.standins = standins
+        self.sizes = sizes or {}
         self.ops = 0
         self.served_recorded = 0
 
-    def allreduce(self, gid, t, op):
+    def call(self, gid, op, args, outs):
         self.ops += 1
-        return True
+        if op == "recv":
+            self._standin(args[0][0], args[1])
+        else:
+            serve_locally(op, args, self.sizes.get(gid, 1))
+        return done(outs)
 
-    def broadcast(self, gid, t, root):
-        self.ops += 1
-        return True
-
-    def send(self, gid, t, peer):
-        self.ops += 1
-        return True
-
-    def recv(self, gid, t, peer):
-        self.ops += 1
+    def _standin(self, t: torch.Tensor, peer: int) -> None:
         s = self.standins.get(_key(peer, t))
         if s is not None:
             t.copy_(s)
@@ -92,7 +90,10 @@ class SandboxTable(GroupTable):
         else:
             g = torch.Generator().manual_seed(t.numel())
             t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.dtype) * 0.02)
-        return True
+
+
+def local_table(topo: Topology, standins: dict[str, torch.Tensor] | None = None) -> SandboxTable:
+    return SandboxTable(standins or {}, {g.id: len(g.members) for g in topo.groups})
 
 
 def rehearsal_ranks(topo: Topology) -> list[int]:
@@ -113,14 +114,14 @@ def rehearse(w, build_fn, step_fn, steps: int, wait_standins_s: float = 30.0) ->
     while not standins and time.monotonic() < deadline and w.inbox.assignments.empty():
         time.sleep(0.2)
         standins = load_standins(w.job_dir)
-    table = SandboxTable(standins)
+    table = local_table(w.topo, standins)
     report = {"roles": {}, "recorded_standins": len(standins)}
     parked = None
     for r in rehearsal_ranks(w.topo):
         if not w.inbox.assignments.empty():
             break                          # needed now: stop rehearsing, stay as warm as we are
         t0 = time.perf_counter()
-        ctx = make_context(w.topo, r, table, w.device, w.cfg.seed, sandbox=True)
+        ctx = make_context(w.topo, r, table, w.device, w.cfg.seed, sandbox=True, groups=w.torch_groups)
         state = build_fn(ctx)
         times = []
         for i in range(steps):

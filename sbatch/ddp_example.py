@@ -1,0 +1,65 @@
+"""A stock DistributedDataParallel loop under tm-slurm: the README's porting example, runnable.
+
+    tm-slurm run --local 2+1 --config sbatch/example.yaml --dp 2 --pp 1 -- python sbatch/ddp_example.py
+
+The lines marked `# tm_slurm` are all that differ from the same script under torchrun with
+init_process_group (README "Porting a stock DDP loop").
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import tm_slurm                                                         # tm_slurm
+from tm_slurm.data import SyntheticTokens
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=60)
+p.add_argument("--vocab", type=int, default=64)
+p.add_argument("--dim", type=int, default=32)
+p.add_argument("--seq", type=int, default=16)
+p.add_argument("--batch", type=int, default=4)
+p.add_argument("--lr", type=float, default=3e-3)
+p.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step (a slower job)")
+args = p.parse_args()
+torch.set_num_threads(1)
+
+
+class Net(nn.Module):
+    """A small next-token model: embeddings, two residual MLP blocks, a tied head."""
+
+    def __init__(self, vocab: int, d: int):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(),
+                                                  nn.Linear(4 * d, d)) for _ in range(2))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.norm(h) @ self.emb.weight.t()
+
+
+job = tm_slurm.init()                                                   # tm_slurm
+torch.manual_seed(0)
+model = DDP(Net(args.vocab, args.dim).to(job.device), process_group=job.group("dp"))  # tm_slurm
+raw = torch.optim.AdamW(model.parameters(), lr=args.lr)
+sched = torch.optim.lr_scheduler.LambdaLR(raw, lambda s: min(1.0, (s + 1) / 10))
+opt = job.optimizer(model, raw, sched)                                  # tm_slurm
+data = SyntheticTokens(args.vocab, args.seq, args.batch, seed=1)
+
+for step in job.steps(args.steps):                                      # tm_slurm
+    x, y = data.batch(step, job.dp_rank)
+    loss = F.cross_entropy(model(x.to(job.device)).flatten(0, 1), y.to(job.device).flatten())
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if args.sleep:
+        time.sleep(args.sleep)

@@ -1,0 +1,217 @@
+"""The stock-loop API (README "Porting"): a script keeps its own loop, its DDP and its optimizer.
+
+    job = tm_slurm.init()                                   # in place of init_process_group
+    model = DDP(net, process_group=job.group("dp"))
+    opt = job.optimizer(model, torch.optim.AdamW(model.parameters()))
+    for step in job.steps(1000):                            # in place of range(1000)
+        loss = model(batch(step, job.dp_rank)).sum()
+        opt.zero_grad(); loss.backward(); opt.step()        # step(): the commit vote, then the update
+
+How it is driven: the runtime's own driver (`loop.start` and `loop.train`, with the vote, the
+optimizer step under a commit, swaps, recovery and a standby's sandboxed rehearsal) runs on a
+thread of its own and sees the script as a build function (everything up to the loop) and a
+step function (one pass of the loop body). The two threads take turns through a `Baton`, so
+exactly one of them runs at any time and the script's code always runs on its main thread. A
+step that the vote discards is handed to the script again; a standby's script runs its first
+steps as a rehearsal (`job.sandbox`), then waits inside `opt.step()` until it is promoted. When
+the last step commits the process ends (as with `tm_slurm.run`): write final outputs from the
+loop, or let the runtime's checkpoint do it.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..comm.torchgroup import TorchGroup
+from . import loop
+from .context import Context
+from .rank import MisuseError, Worker
+from .state import TrainState
+
+
+class Baton:
+    """Turn-taking between the runtime's thread and the script's: whoever hands over waits until
+    it is handed back."""
+
+    def __init__(self):
+        self._user, self._runtime = threading.Semaphore(0), threading.Semaphore(0)
+        self.value = None
+
+    def to_user(self, value):
+        self.value = value
+        self._user.release()
+        self._runtime.acquire()
+        return self.value
+
+    def to_runtime(self, value):
+        self.value = value
+        self._runtime.release()
+        return self.wait_user()
+
+    def wait_user(self):
+        self._user.acquire()
+        return self.value
+
+
+class Optimizer:
+    """The script's optimizer, stepped by the runtime: `step()` ends the step, the commit vote
+    decides, and only a committed step is applied (with the scheduler's step)."""
+
+    def __init__(self, job: Job, opt: torch.optim.Optimizer):
+        self._job, self.optimizer = job, opt
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None) -> None:
+        if closure is not None:
+            raise MisuseError("opt.step(closure) is not supported under tm_slurm: compute the loss "
+                              "in the loop body and call opt.step()")
+        self._job._end_step()
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+
+class Job:
+    """What `tm_slurm.init()` returns: this process's rank and groups, the optimizer wrapper and
+    the step iterator. Rank numbers are read live: a standby learns its rank when promoted."""
+
+    def __init__(self, w: Worker):
+        self._w = w
+        self._baton = Baton()
+        self._ctx: Context | None = None
+        self._state: TrainState | None = None
+        self._stepping: int | None = None       # the step the script is in, until opt.step()
+        self._runtime: threading.Thread | None = None
+
+    # ---- what the script reads
+    @property
+    def ctx(self) -> Context:
+        return self._ctx
+
+    def __getattr__(self, name):
+        if name in ("rank", "world", "dp_rank", "dp_size", "tp_rank", "tp_size", "device", "seed", "sandbox"):
+            return getattr(self._ctx, name)
+        raise AttributeError(name)
+
+    def group(self, kind: str) -> TorchGroup:
+        """This rank's group of `kind` ("dp" or "tp") as a torch ProcessGroup: the same object for
+        the whole run (the group under it changes at swaps)."""
+        if kind not in self._w.torch_groups:
+            raise ValueError(f"no group kind {kind!r}: valid kinds are {sorted(self._w.torch_groups)}")
+        return self._w.torch_groups[kind]
+
+    def optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler=None) -> Optimizer:
+        """Register what the runtime moves, checkpoints and digests (the model, e.g. the DDP
+        module, its optimizer and scheduler) and get the optimizer to step in the loop."""
+        if self._state is not None:
+            raise MisuseError("job.optimizer() is called once, with the model and its optimizer")
+        self._state = TrainState(model, optimizer, scheduler)
+        runtime = self._runtime
+
+        def only_the_runtime(*_):
+            if threading.current_thread() is not runtime:
+                raise MisuseError("optimizer.step() was called on the optimizer itself: call step() "
+                                  "on what job.optimizer() returned (it applies the step only after "
+                                  "every rank has voted to commit it)")
+        optimizer.register_step_pre_hook(only_the_runtime)
+        return Optimizer(self, optimizer)
+
+    def steps(self, total: int) -> Iterator[int]:
+        """The steps to run, in place of `range(total)`: resumes where a checkpoint or a joiner's
+        state says, repeats a discarded step, rehearses on a standby."""
+        if self._state is None:
+            raise MisuseError("call job.optimizer(model, optimizer) before job.steps()")
+        self._w.total_steps = total
+        msg = self._baton.to_runtime(self._state)      # the build is done
+        while True:
+            kind, self._ctx, step = msg
+            if kind != "step":
+                raise MisuseError("the runtime asked this script to build its model again: the "
+                                  "stock-loop API builds once (pipeline parallel jobs use tm_slurm.run)")
+            self._stepping = step
+            yield step
+            if self._stepping is not None:
+                raise MisuseError(f"step {step} ended without opt.step() on the optimizer that "
+                                  "job.optimizer() returned: the runtime commits a step there")
+            msg = self._next
+
+    def _end_step(self) -> None:
+        if self._stepping is None:
+            raise MisuseError("opt.step() outside a step of job.steps(), or twice in one step")
+        self._stepping = None
+        self._next = self._baton.to_runtime(None)
+
+    # ---- the runtime's side (its thread)
+    def _build(self, ctx: Context) -> TrainState:
+        return self._baton.to_user(("build", ctx, None))
+
+    def _step(self, ctx: Context, state: TrainState, step: int):
+        self._baton.to_user(("step", ctx, step))
+
+    def _drive(self) -> None:
+        w = self._w
+        try:
+            if w.device.type == "cuda":
+                torch.cuda.set_device(w.device)        # the current device is per thread
+            first = loop.start(w, self._build, self._step)    # w.total_steps is known after it
+            loop.train(w, self._step, w.total_steps, first)
+        except BaseException:
+            loop.crashed(w.inbox.wire)
+
+
+def _forbid(what: str, instead: str):
+    def forbidden(*_, **__):
+        raise MisuseError(f"{what} is not available under tm_slurm: {instead}")
+    return forbidden
+
+
+def _guard_torch() -> None:
+    """torch.distributed calls that would make groups the runtime does not know (and so could not
+    swap) fail at once, saying what to use instead."""
+    from torch.distributed import distributed_c10d as c10d
+    from torch.nn.parallel import distributed as ddp
+    init = _forbid("init_process_group", "tm_slurm.init() takes its place")
+    new = _forbid("dist.new_group", "use job.group('dp') or job.group('tp'), the groups the "
+                  "runtime keeps through swaps")
+    default = _forbid("the default (world) process group", "pass group=job.group('dp') (to "
+                      "DistributedDataParallel: process_group=job.group('dp'))")
+    for mod in (dist, c10d):
+        mod.init_process_group, mod.new_group = init, new
+    c10d._get_default_group = ddp._get_default_group = default
+
+
+def init() -> Job:
+    """Start this rank under tm-slurm; returns when the script is to build its model (on an
+    active rank at once, on a standby when it starts its rehearsal)."""
+    wire, keys = loop.connect("the stock-loop API needs the runtime")
+    try:
+        w = Worker(wire, keys)
+        lay, sb = w.cfg.layout, w.cfg.standby
+        if lay.pp > 1:
+            raise MisuseError("tm_slurm.init() serves data, sharded and tensor parallel jobs (pp == 1); "
+                              "a pipeline parallel job uses tm_slurm.run(build, step, steps)")
+        if not sb.sandbox or sb.sandbox_steps < 2:
+            raise MisuseError("tm_slurm.init() needs standby.sandbox on with sandbox_steps >= 2: "
+                              "DDP settles its gradient buckets (a broadcast) in its second step, "
+                              "and a joiner must have done so before it joins the others")
+        _guard_torch()
+        job = Job(w)
+        job._runtime = threading.Thread(target=job._drive, name="tm-runtime", daemon=True)
+    except BaseException:
+        loop.crashed(wire)
+
+    sys.excepthook = lambda typ, exc, tb: loop.crashed(wire, exc)
+    job._runtime.start()
+    job._baton.wait_user()
+    _, job._ctx, _ = job._baton.value
+    return job
