@@ -139,9 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("demo", help="the one-command tour: run the example, drain a node, check")
     m.add_argument("--json", action="store_true")
     m.add_argument("--scenario", choices=("planned", "unplanned", "both"), default="both")
-    m.add_argument("--steps", type=int, help="default 60; 800 with --compile (the standbys must be "
-                   "warm before the interruptions come)")
+    m.add_argument("--steps", type=int, help="default 60 (ddp: 400); 800 with --compile (the "
+                   "standbys must be warm before the interruptions come)")
     m.add_argument("--compile", action="store_true", help="torch.compile the example model")
+    m.add_argument("--example", choices=("gpt", "ddp"), default="gpt",
+                   help="gpt: a small GPT, DP=2 x PP=2, on the low-level API (default); ddp: a stock "
+                   "DDP loop on tm_slurm.init(), DP=2")
     m.set_defaults(fn=cmd_demo)
 
     from .admin import add_parsers as add_admin

@@ -1,6 +1,7 @@
 """`tm-slurm demo`: the one-command tour.
 
-Runs the example job (sbatch/gpt_example.py, DP=2 x PP=2) locally twice through the real CLI:
+Runs an example job (`--example`: sbatch/gpt_example.py, DP=2 x PP=2, by default; or the stock
+DDP loop, sbatch/ddp_example.py) locally twice through the real CLI:
 once undisturbed, once with a node drained (planned) and/or killed (unplanned) mid-run, then
 prints the timeline of what happened and checks that both runs end bit-identical.
 """
@@ -25,6 +26,27 @@ TINY_MODEL = ["--vocab", "64", "--dim", "32", "--layers", "4", "--heads", "2", "
 # compiling every role in the sandbox takes a standby ~80 s here (while the active ranks compile
 # too): a run with --compile this long still has its interruptions after that
 COMPILE_STEPS = 800
+
+
+class Example:
+    """A job the demo can run: its script, its layout, and which nodes its scenarios interrupt."""
+
+    def __init__(self, name: str, script: str, layout: dict, what: str, active: int, drain: str, kill: str,
+                 steps: int):
+        self.name, self.script, self.layout, self.what = name, SBATCH / script, layout, what
+        self.active, self.drain, self.kill, self.steps = active, drain, kill, steps
+
+    def args(self) -> list[str]:
+        return [a for k, v in self.layout.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+
+
+EXAMPLES = {
+    # node2 holds rank 1 (first stage, dp 1); node4 holds rank 3 (last stage, dp 1)
+    "gpt": Example("gpt", "gpt_example.py", {"dp": 2, "pp": 2}, "example GPT, DP=2 x PP=2 (the low-level API)",
+                   4, "node2", "node4", 60),
+    "ddp": Example("ddp", "ddp_example.py", {"dp": 2, "pp": 1}, "stock DDP loop, DP=2 (tm_slurm.init)",
+                   2, "node1", "node2", 400),   # ~10 ms steps: the kill comes after the swap
+}
 
 
 def example_paths() -> tuple[Path, Path]:
@@ -143,17 +165,16 @@ def _progress(job: Path) -> tuple[int | None, bool]:
     return st.get("committed_step"), warm
 
 
-def scenario_actions(scenario: str, steps: int) -> tuple[str, list[tuple[int | str, str, str]]]:
-    """(--local spec, [(at step or after an event kind, action, node)]). node2 holds rank 1
-    (first stage, dp 1); node4 holds rank 3 (last stage, dp 1). In the combined scenario the
-    kill waits for the drain's swap to complete: a standby that warmed up late would otherwise
-    put both events into the same few steps."""
+def scenario_actions(scenario: str, steps: int, ex: Example = EXAMPLES["gpt"]) -> tuple[str, list[tuple[int | str, str, str]]]:
+    """(--local spec, [(at step or after an event kind, action, node)]). In the combined scenario
+    the kill waits for the drain's swap to complete: a standby that warmed up late would
+    otherwise put both events into the same few steps."""
     a = max(3, steps // 4)
     if scenario == "planned":
-        return "4+1", [(a, "drain", "node2")]
+        return f"{ex.active}+1", [(a, "drain", ex.drain)]
     if scenario == "unplanned":
-        return "4+1", [(a, "kill", "node4")]
-    return "4+2", [(a, "drain", "node2"), ("swap_complete", "kill", "node4")]
+        return f"{ex.active}+1", [(a, "kill", ex.kill)]
+    return f"{ex.active}+2", [(a, "drain", ex.drain), ("swap_complete", "kill", ex.kill)]
 
 
 def _when(at: int | str) -> str:
@@ -207,18 +228,22 @@ def compare(ref: dict, run: dict) -> tuple[bool, list[str]]:
 
 
 def main(args) -> int:
-    steps = args.steps or (COMPILE_STEPS if args.compile else 60)
+    ex = EXAMPLES[args.example]
+    steps = args.steps or (COMPILE_STEPS if args.compile else ex.steps)
     root = Path.cwd() / "tm_slurm_jobs" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    local, actions = scenario_actions(args.scenario, steps)
+    if args.compile and ex.name != "gpt":
+        raise SystemExit(f"--compile is an option of the gpt example, not of {ex.name}")
+    local, actions = scenario_actions(args.scenario, steps, ex)
     extra = ["--compile"] if args.compile else []
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
-    say(f"tm-slurm demo: example GPT, DP=2 x PP=2, {steps} steps; reference run, then a run with "
+    say(f"tm-slurm demo: {ex.what}, {steps} steps; reference run, then a run with "
         f"{', '.join(f'{v} {n} {_when(at)}' for at, v, n in actions)}  ({root})")
     timeout = 600 + (900 if args.compile else 0)
-    ref = JobRun(root / "reference", "4+0", steps, [], script_args=extra, sets=["standby.count=0"])
+    ref = JobRun(root / "reference", f"{ex.active}+0", steps, [], extra_args=ex.args(), script_args=extra,
+                 sets=["standby.count=0"], script=ex.script)
     rc_ref = ref.run(timeout)
     say(f"  reference run finished (exit {rc_ref})")
-    run = JobRun(root / "run", local, steps, actions, script_args=extra)
+    run = JobRun(root / "run", local, steps, actions, extra_args=ex.args(), script_args=extra, script=ex.script)
     rc = run.run(timeout)
     say(f"  run with interruptions finished (exit {rc})")
     if rc_ref != 0 or rc != 0:
@@ -232,7 +257,8 @@ def main(args) -> int:
         return 1
     r_ref, r_run = ref.result(), run.result()
     same, diffs = compare(r_ref, r_run)
-    out = {"events": r_run["interruptions"], "bitwise_identical": same, "steps": steps,
+    out = {"example": ex.name, "layout": {**ex.layout, "nodes": local},
+           "events": r_run["interruptions"], "bitwise_identical": same, "steps": steps,
            "steady_step_s": r_run.get("steady_step_s"), "reference_steady_step_s": r_ref.get("steady_step_s"),
            "injected": run.done, "job_dir": str(run.job_dir), "reference_job_dir": str(ref.job_dir),
            "final_loss": list(r_run["losses"].values())[-1] if r_run["losses"] else None}
@@ -248,7 +274,8 @@ def main(args) -> int:
                      f", phase 1 {ph.get('phase1_s')}s in the background")
                   + f", {e['state_bytes'] / 1e6:.1f} MB of state moved, groups rebuilt {e['groups_rebuilt']} / kept "
                     f"{e['groups_kept']}")
-        print(f"steady step {out['steady_step_s']:.3f}s; final loss {out['final_loss']:.4f}")
+        loss = "n/a (the loop does not report it)" if out["final_loss"] is None else f"{out['final_loss']:.4f}"
+        print(f"steady step {out['steady_step_s']:.3f}s; final loss {loss}")
         print(f"bitwise identical to the undisturbed run: {same}" + ("" if same else f" {diffs}"))
         print(f"events: {run.job_dir / 'events.jsonl'}")
     return 0 if same else 1

@@ -17,6 +17,7 @@ def test_demo_reports_a_planned_and_an_unplanned_event_and_bitwise_continuity(tm
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert out["bitwise_identical"] is True
+    assert out["example"] == "gpt" and out["layout"] == {"dp": 2, "pp": 2, "nodes": "4+2"}
     assert out["steady_step_s"] > 0
     (planned,) = [e for e in out["events"] if e["kind"] == "planned"]
     assert planned["node"] == "node2" and not planned["interrupted"]
