@@ -29,11 +29,12 @@ COMPILE_STEPS = 800
 
 
 class Example:
-    """A job the demo can run: its script, its layout, and which nodes its scenarios interrupt."""
+    """A job the demo and the bench can run: its script, which API it uses (`run`: build/step,
+    `init`: a stock loop), its layout, and which nodes its scenarios interrupt."""
 
-    def __init__(self, name: str, script: str, layout: dict, what: str, active: int, drain: str, kill: str,
-                 steps: int):
-        self.name, self.script, self.layout, self.what = name, SBATCH / script, layout, what
+    def __init__(self, name: str, script: str, api: str, layout: dict, what: str, active: int, drain: str,
+                 kill: str, steps: int):
+        self.name, self.script, self.api, self.layout, self.what = name, SBATCH / script, api, layout, what
         self.active, self.drain, self.kill, self.steps = active, drain, kill, steps
 
     def args(self) -> list[str]:
@@ -42,9 +43,9 @@ class Example:
 
 EXAMPLES = {
     # node2 holds rank 1 (first stage, dp 1); node4 holds rank 3 (last stage, dp 1)
-    "gpt": Example("gpt", "gpt_example.py", {"dp": 2, "pp": 2}, "example GPT, DP=2 x PP=2 (the low-level API)",
+    "gpt": Example("gpt", "gpt_example.py", "run", {"dp": 2, "pp": 2}, "example GPT, DP=2 x PP=2 (the low-level API)",
                    4, "node2", "node4", 60),
-    "ddp": Example("ddp", "ddp_example.py", {"dp": 2, "pp": 1}, "stock DDP loop, DP=2 (tm_slurm.init)",
+    "ddp": Example("ddp", "ddp_example.py", "init", {"dp": 2, "pp": 1}, "stock DDP loop, DP=2 (tm_slurm.init)",
                    2, "node1", "node2", 400),   # ~10 ms steps: the kill comes after the swap
 }
 

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..demo import COMPILE_STEPS
+from ..demo import COMPILE_STEPS, EXAMPLES
 from . import runs
 from .frames import frame_costs
 from .frames import table as frames_table
@@ -29,6 +29,8 @@ def add_parser(sub) -> None:
     b.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step (slower steps)")
     b.add_argument("--compile", action="store_true", help="torch.compile the example (the joiner's "
                    "first step then shows what the sandbox warms)")
+    b.add_argument("--example", choices=sorted(EXAMPLES), default="gpt",
+                   help="the job measured: gpt (DP=2 x PP=2, the low-level API) or ddp (a stock DDP loop)")
     b.add_argument("--out", help="default: ./tm_slurm_jobs/bench-<time>")
     b.add_argument("--no-plot", action="store_true")
     b.add_argument("--scaling", action="store_true", help="also: swap cost vs world size")
@@ -61,6 +63,10 @@ def main(args) -> int:
         print(f"tm-slurm bench: unknown {bad}; scenarios {runs.SCENARIOS}, strategies {runs.STRATEGIES}",
               file=sys.stderr)
         return 2
+    ex = EXAMPLES[args.example]
+    if args.compile and ex.name != "gpt":
+        print(f"tm-slurm bench: --compile is an option of the gpt example, not of {ex.name}", file=sys.stderr)
+        return 2
     reps = 1 if args.quick else args.reps
     steps = args.steps or (COMPILE_STEPS if args.compile else 100)
     steps, at = (60, 20) if args.quick else (steps, args.at_step)
@@ -79,18 +85,19 @@ def main(args) -> int:
             # rotate the order each repetition, so slow drift of the machine hits all alike
             order = strategies[rep % len(strategies):] + strategies[:rep % len(strategies)]
             for st in order:
-                s = runs.run(root, sc, st, steps, at, hang, extra)
+                s = runs.run(root, sc, st, steps, at, hang, extra, ex=ex)
                 samples.append(s)
                 say(f"  [{time.monotonic() - t0:6.0f}s] rep {rep + 1}/{reps} {sc:9s} {st:20s} "
                     f"downtime {s.downtime_s:7.3f}s  steps redone {s.lost_steps}")
     say("  steady-state overhead: the same script with and without the runtime ...")
     plain, tm = [], []
     for _ in range(reps):
-        plain.append(runs.plain_steady(root, steps, extra)[0])
-        tm.append(runs.runtime_steady(root, steps, extra)[0])
+        plain.append(runs.plain_steady(root, steps, extra, ex=ex)[0])
+        tm.append(runs.runtime_steady(root, steps, extra, ex=ex)[0])
     out = report(samples, scenarios, strategies, statistics.median(tm), statistics.median(plain))
     out["frames"] = frame_costs()
-    out["config"] = {"reps": reps, "analyzed": args.analyze, "steps": steps, "at_step": at, "hang_timeout_s": hang, "node": runs.NODE,
+    out["config"] = {"example": ex.name, "layout": ex.layout, "reps": reps, "analyzed": args.analyze, "steps": steps,
+                     "at_step": at, "hang_timeout_s": hang, "node": ex.drain,
                      "checkpoint_every": runs.CKPT_EVERY, "model": runs.MODEL, "out": str(root),
                      "wall_s": round(time.monotonic() - t0, 1)}
     (root / "bench.json").write_text(json.dumps(out, indent=1))

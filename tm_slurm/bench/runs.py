@@ -23,12 +23,12 @@ from pathlib import Path
 from .. import events as evlog
 from .. import jobdir
 from ..controller.requests import submit
-from ..demo import JobRun
+from ..demo import EXAMPLES, Example, JobRun
 from . import metrics
 
 STRATEGIES = ("tm_slurm", "tm_slurm-no-standby", "checkpoint-restart", "elastic-restart")
 SCENARIOS = ("planned", "unplanned", "hang")
-NODE = "node2"                     # holds rank 1: first pipeline stage, DP replica 1
+GPT = EXAMPLES["gpt"]            # interrupted at node2: rank 1, first stage, DP replica 1
 CKPT_EVERY = 10
 MODEL: list[str] = []             # the example job as it is (~0.1-0.2 s a step here)
 
@@ -44,12 +44,16 @@ class Sample:
     detail: dict
 
 
-def _cold(strategy: str) -> list[str]:
-    return ["standby.prestart=false", "standby.sandbox=false"] if strategy != "tm_slurm" else []
+def _cold(strategy: str, ex: Example) -> list[str]:
+    """A joiner started after the event. A stock-loop script (tm_slurm.init) still runs its first
+    steps locally before it joins (its DDP must have settled its buckets): it rehearses, late."""
+    if strategy == "tm_slurm":
+        return []
+    return ["standby.prestart=false"] + (["standby.sandbox=false"] if ex.api == "run" else [])
 
 
-def _sets(strategy: str, scenario: str, hang_timeout: float) -> list[str]:
-    s = [f"checkpoint.every_steps={CKPT_EVERY}", f"timeouts.collective_timeout_s={hang_timeout}", *_cold(strategy)]
+def _sets(strategy: str, scenario: str, hang_timeout: float, ex: Example) -> list[str]:
+    s = [f"checkpoint.every_steps={CKPT_EVERY}", f"timeouts.collective_timeout_s={hang_timeout}", *_cold(strategy, ex)]
     if strategy == "elastic-restart":
         s.append("recovery.strategy=restart")
         if scenario == "hang":   # no heartbeat watchdog: the collective timeout is the detector
@@ -73,14 +77,14 @@ def _verb(scenario: str) -> str:
 
 
 def run(root: Path, scenario: str, strategy: str, steps: int, at_step: int, hang_timeout: float,
-        script_args: list[str] = (), timeout: float = 600) -> Sample:
+        script_args: list[str] = (), timeout: float = 600, ex: Example = GPT) -> Sample:
     job = root / f"{scenario}-{strategy}-{time.strftime('%H%M%S')}"
     args = [*MODEL, *script_args]
     if strategy == "checkpoint-restart":
-        t_event, info = _checkpoint_restart(job, scenario, steps, at_step, hang_timeout, args, timeout)
+        t_event, info = _checkpoint_restart(job, scenario, steps, at_step, hang_timeout, args, timeout, ex)
     else:
-        r = JobRun(job, "4+1", steps, [(at_step, _verb(scenario), NODE)], script_args=args,
-                   sets=_sets(strategy, scenario, hang_timeout))
+        r = JobRun(job, f"{ex.active}+1", steps, [(at_step, _verb(scenario), ex.drain)], script_args=args,
+                   sets=_sets(strategy, scenario, hang_timeout, ex), extra_args=ex.args(), script=ex.script)
         rc = r.run(timeout)
         if rc != 0 or not r.done:
             raise RuntimeError(f"{strategy}/{scenario}: run failed (exit {rc}); see {job}")
@@ -114,7 +118,7 @@ def analyze(job: Path) -> Sample:
 
 
 def _checkpoint_restart(job: Path, scenario: str, steps: int, at_step: int, hang_timeout: float,
-                        args: list[str], timeout: float) -> tuple[float, dict]:
+                        args: list[str], timeout: float, ex: Example) -> tuple[float, dict]:
     """Job A until the event; the event takes it down (a crash kills the job; a drain asks for a
     checkpoint and an exit; a hang kills it when the collective timeout fires); job B, new
     processes in the same job directory, resumes from the newest valid checkpoint."""
@@ -127,54 +131,58 @@ def _checkpoint_restart(job: Path, scenario: str, steps: int, at_step: int, hang
             submit(job_dir, "checkpoint", None, "maintenance: save and restart", exit=True)
             return
         from ..launch.local import fail
-        when["t"] = fail(job_dir, NODE, _verb(scenario))
+        when["t"] = fail(job_dir, ex.drain, _verb(scenario))
         if scenario == "hang":
             time.sleep(hang_timeout)     # until a collective times out and the job dies
         a.kill()
 
-    a = JobRun(job, "4+0", steps, [(at_step, event, NODE)], script_args=args, sets=sets)
+    a = JobRun(job, f"{ex.active}+0", steps, [(at_step, event, ex.drain)], script_args=args, sets=sets,
+               extra_args=ex.args(), script=ex.script)
     rc = a.run(timeout)
     if "t" not in when or rc == 0:
         raise RuntimeError(f"checkpoint-restart/{scenario}: job A ended (exit {rc}) before the event; see {job}")
-    b = JobRun(job, "4+0", steps, [], extra_args=["--resume"], script_args=args, sets=sets)
+    b = JobRun(job, f"{ex.active}+0", steps, [], extra_args=[*ex.args(), "--resume"], script_args=args,
+               sets=sets, script=ex.script)
     rc = b.run(timeout)
     if rc != 0:
         raise RuntimeError(f"checkpoint-restart/{scenario}: the restarted job failed (exit {rc}); see {job}")
     return when["t"], {"first_exit": a.proc.returncode}
 
 
-def plain_steady(root: Path, steps: int, script_args: list[str], timeout: float = 600) -> tuple[float, dict]:
-    """The same script without the runtime, four processes launched like torchrun would."""
+def plain_steady(root: Path, steps: int, script_args: list[str], timeout: float = 600,
+                 ex: Example = GPT) -> tuple[float, dict]:
+    """The same script without the runtime, its processes launched like torchrun would."""
     import os
     import statistics
     import subprocess
-    from ..demo import example_paths
-    script, _ = example_paths()
     out = root / f"plain-{time.strftime('%H%M%S')}"
     port = 0            # rank 0 picks one and tells the others (worker/plain.py)
     procs = []
     out.mkdir(parents=True)
-    for r in range(4):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE="4", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), TM_SLURM_DP="2", TM_SLURM_PP="2", TM_SLURM_PLAIN_OUT=str(out))
+    world = ex.active
+    lay = {f"TM_SLURM_{k.upper()}": str(v) for k, v in ex.layout.items()}
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), TM_SLURM_PLAIN_OUT=str(out), **lay)
         with open(out / f"rank{r}.log", "w") as log:
-            procs.append(subprocess.Popen([sys.executable, str(script), "--steps", str(steps), *MODEL,
+            procs.append(subprocess.Popen([sys.executable, str(ex.script), "--steps", str(steps), *MODEL,
                                            *script_args], env=env, stdout=log, stderr=subprocess.STDOUT))
     for r, p in enumerate(procs):
         if p.wait(timeout) != 0:
             raise RuntimeError(f"plain run failed (exit {p.returncode}): "
                                f"{(out / f'rank{r}.log').read_text()[-1500:]}")
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     per_step = [max(x["step_s"][i] for x in ranks) for i in range(steps)][3:]
     return statistics.median(per_step), {"digests": {str(x["rank"]): x["digest"] for x in ranks}}
 
 
-def runtime_steady(root: Path, steps: int, script_args: list[str], timeout: float = 600) -> tuple[float, dict]:
-    """The same script under tm-slurm (4 active nodes, no interruption)."""
+def runtime_steady(root: Path, steps: int, script_args: list[str], timeout: float = 600,
+                   ex: Example = GPT) -> tuple[float, dict]:
+    """The same script under tm-slurm (its active nodes, no interruption)."""
     import statistics
     job = root / f"steady-{time.strftime('%H%M%S')}"
-    r = JobRun(job, "4+0", steps, [], script_args=[*MODEL, *script_args],
-               sets=["standby.count=0", "checkpoint.every_steps=0"])
+    r = JobRun(job, f"{ex.active}+0", steps, [], script_args=[*MODEL, *script_args],
+               sets=["standby.count=0", "checkpoint.every_steps=0"], extra_args=ex.args(), script=ex.script)
     if r.run(timeout) != 0:
         raise RuntimeError(f"steady run failed; see {job}")
     # the runtime's own per-step time (compute to commit), like the plain run's

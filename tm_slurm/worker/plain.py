@@ -48,44 +48,63 @@ def _store(env, rank: int, world: int):
     return dist.TCPStore(env["MASTER_ADDR"], int(f.read_text()), world, is_master=False, timeout=t)
 
 
+class PlainRun:
+    """This torchrun rank: its context, its groups built on torchrun's store."""
+
+    def __init__(self):
+        env = os.environ
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        lay = Layout(dp=int(env.get("TM_SLURM_DP", world)), pp=int(env.get("TM_SLURM_PP", 1)),
+                     tp=int(env.get("TM_SLURM_TP", 1)))
+        if lay.world != world:
+            raise SystemExit(f"TM_SLURM_DP x PP x TP = {lay.world} but WORLD_SIZE = {world}")
+        topo = Topology(lay)
+        device = torch.device("cuda", int(env.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+        self.store = _store(env, rank, world)
+        table = GroupTable(_raise, op_timeout=300)
+        for g in sorted(topo.groups_of(rank), key=lambda g: g.id):
+            table.swap({g.id: build_group(self.store, GroupBuild(g.id, g.members, f"plain/{g.id}"),
+                                          g.members.index(rank), device=device,
+                                          backend=pick_backend("auto", device), timeout=300,
+                                          iface=env.get("TM_SLURM_IFACE", "127.0.0.1"))})
+        self.ctx = make_context(topo, rank, table, device, int(env.get("TM_SLURM_SEED", 0)))
+
+    def steps(self, st, steps: int):
+        """The steps, each seeded and its gradients cleared as the runtime does; after the last
+        one, the per-step times and the final digest go to $TM_SLURM_PLAIN_OUT and the process
+        ends (as under the runtime)."""
+        times = []
+        t_prev = time.perf_counter()
+        for i in range(steps):
+            torch.manual_seed(key(self.ctx.seed, i, self.ctx.rank))
+            (st.optimizer or st.model).zero_grad(set_to_none=True)
+            yield i
+            now = time.perf_counter()
+            times.append(now - t_prev)          # step to step, as the runtime measures its steps
+            t_prev = now
+        self._finish(st, times)
+
+    def _finish(self, st, times: list[float]) -> None:
+        rank = self.ctx.rank
+        out = os.environ.get("TM_SLURM_PLAIN_OUT")
+        if out:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "step_s": times,
+                                                                    "digest": digest(st)}))
+        # rank 0 hosts the store, so it leaves last; the others leave as soon as their `add` is
+        # acknowledged (a rank still waiting on the store when rank 0 exits would see a reset)
+        self.store.add("done", 1)
+        while rank == 0 and self.store.add("done", 0) < self.ctx.world:
+            time.sleep(0.05)
+        os._exit(0)
+
+
 def run_plain(build, step, steps: int) -> None:
-    env = os.environ
-    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    lay = Layout(dp=int(env.get("TM_SLURM_DP", world)), pp=int(env.get("TM_SLURM_PP", 1)),
-                 tp=int(env.get("TM_SLURM_TP", 1)))
-    if lay.world != world:
-        raise SystemExit(f"TM_SLURM_DP x PP x TP = {lay.world} but WORLD_SIZE = {world}")
-    topo = Topology(lay)
-    device = torch.device("cuda", int(env.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-    store = _store(env, rank, world)
-    table = GroupTable(_raise, op_timeout=300)
-    for g in sorted(topo.groups_of(rank), key=lambda g: g.id):
-        table.swap({g.id: build_group(store, GroupBuild(g.id, g.members, f"plain/{g.id}"), g.members.index(rank),
-                                      device=device, backend=pick_backend("auto", device), timeout=300,
-                                      iface=env.get("TM_SLURM_IFACE", "127.0.0.1"))})
-    ctx = make_context(topo, rank, table, device, int(env.get("TM_SLURM_SEED", 0)))
-    st = build(ctx)
-    times = []
-    t_prev = time.perf_counter()
-    for i in range(steps):
-        torch.manual_seed(key(ctx.seed, i, rank))
-        (st.optimizer or st.model).zero_grad(set_to_none=True)
-        step(ctx, st, i)
+    run = PlainRun()
+    st = build(run.ctx)
+    for i in run.steps(st, steps):
+        step(run.ctx, st, i)
         if st.optimizer is not None:
             st.optimizer.step()
         if st.scheduler is not None:
             st.scheduler.step()
-        now = time.perf_counter()
-        times.append(now - t_prev)          # step to step, as the runtime measures its steps
-        t_prev = now
-    out = env.get("TM_SLURM_PLAIN_OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "step_s": times,
-                                                                "digest": digest(st)}))
-    # rank 0 hosts the store, so it leaves last; the others leave as soon as their `add` is
-    # acknowledged (a rank still waiting on the store when rank 0 exits would see a reset)
-    store.add("done", 1)
-    while rank == 0 and store.add("done", 0) < world:
-        time.sleep(0.05)
-    os._exit(0)

@@ -19,6 +19,7 @@ loop, or let the runtime's checkpoint do it.
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from typing import Iterator
@@ -81,9 +82,29 @@ class Optimizer:
         return self.optimizer.state_dict()
 
 
-class Job:
-    """What `tm_slurm.init()` returns: this process's rank and groups, the optimizer wrapper and
-    the step iterator. Rank numbers are read live: a standby learns its rank when promoted."""
+class _Rank:
+    """What a script reads of its rank (live: a standby learns its rank when promoted)."""
+
+    @property
+    def ctx(self) -> Context:
+        raise NotImplementedError
+
+    def __getattr__(self, name):
+        if name in ("rank", "world", "dp_rank", "dp_size", "tp_rank", "tp_size", "device", "seed", "sandbox"):
+            return getattr(self.ctx, name)
+        raise AttributeError(name)
+
+    def group(self, kind: str) -> TorchGroup:
+        """This rank's group of `kind` ("dp" or "tp") as a torch ProcessGroup: the same object for
+        the whole run (the group under it changes at swaps)."""
+        if kind not in ("dp", "tp"):
+            raise ValueError(f"no group kind {kind!r}: valid kinds are ['dp', 'tp']")
+        return getattr(self.ctx, kind).group
+
+
+class Job(_Rank):
+    """What `tm_slurm.init()` returns under tm-slurm: this process's rank and groups, the
+    optimizer wrapper and the step iterator."""
 
     def __init__(self, w: Worker):
         self._w = w
@@ -93,22 +114,9 @@ class Job:
         self._stepping: int | None = None       # the step the script is in, until opt.step()
         self._runtime: threading.Thread | None = None
 
-    # ---- what the script reads
     @property
     def ctx(self) -> Context:
         return self._ctx
-
-    def __getattr__(self, name):
-        if name in ("rank", "world", "dp_rank", "dp_size", "tp_rank", "tp_size", "device", "seed", "sandbox"):
-            return getattr(self._ctx, name)
-        raise AttributeError(name)
-
-    def group(self, kind: str) -> TorchGroup:
-        """This rank's group of `kind` ("dp" or "tp") as a torch ProcessGroup: the same object for
-        the whole run (the group under it changes at swaps)."""
-        if kind not in self._w.torch_groups:
-            raise ValueError(f"no group kind {kind!r}: valid kinds are {sorted(self._w.torch_groups)}")
-        return self._w.torch_groups[kind]
 
     def optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler=None) -> Optimizer:
         """Register what the runtime moves, checkpoints and digests (the model, e.g. the DDP
@@ -169,6 +177,34 @@ class Job:
             loop.crashed(w.inbox.wire)
 
 
+class PlainJob(_Rank):
+    """`tm_slurm.init()` under torchrun: the same script trains on plain groups, without the
+    runtime (no vote, no swaps): the steady-state baseline, and a way to debug a port."""
+
+    def __init__(self):
+        from .plain import PlainRun
+        self._run = PlainRun()
+        self._state: TrainState | None = None
+
+    @property
+    def ctx(self) -> Context:
+        return self._run.ctx
+
+    def optimizer(self, model, optimizer, scheduler=None) -> Optimizer:
+        self._state = TrainState(model, optimizer, scheduler)
+        return Optimizer(self, optimizer)
+
+    def steps(self, total: int) -> Iterator[int]:
+        if self._state is None:
+            raise MisuseError("call job.optimizer(model, optimizer) before job.steps()")
+        return self._run.steps(self._state, total)
+
+    def _end_step(self) -> None:
+        self._state.optimizer.step()
+        if self._state.scheduler is not None:
+            self._state.scheduler.step()
+
+
 def _forbid(what: str, instead: str):
     def forbidden(*_, **__):
         raise MisuseError(f"{what} is not available under tm_slurm: {instead}")
@@ -190,10 +226,12 @@ def _guard_torch() -> None:
     c10d._get_default_group = ddp._get_default_group = default
 
 
-def init() -> Job:
+def init() -> Job | PlainJob:
     """Start this rank under tm-slurm; returns when the script is to build its model (on an
     active rank at once, on a standby when it starts its rehearsal)."""
-    wire, keys = loop.connect("the stock-loop API needs the runtime")
+    if os.environ.get(loop.ENV_FD) is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return PlainJob()                 # launched by torchrun: plain training, no swaps
+    wire, keys = loop.connect("under torchrun it trains without the runtime")
     try:
         w = Worker(wire, keys)
         lay, sb = w.cfg.layout, w.cfg.standby
