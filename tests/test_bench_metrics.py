@@ -4,6 +4,7 @@ import pytest
 from tm_slurm.bench import metrics as M
 from tm_slurm.bench.cli import report
 from tm_slurm.bench import runs
+from tm_slurm.demo import EXAMPLES
 from tm_slurm.bench.runs import Sample
 
 
@@ -59,14 +60,18 @@ def test_report_ratios_and_overhead():
     assert out["steady_overhead"] == pytest.approx(0.01)
 
 
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
 @pytest.mark.parametrize("strategy", runs.STRATEGIES)
 @pytest.mark.parametrize("scenario", runs.SCENARIOS)
-def test_every_strategy_runs_with_a_valid_config(strategy, scenario):
+def test_every_strategy_runs_with_a_valid_config(strategy, scenario, example):
     from pathlib import Path
 
     from tm_slurm import config as C
-    example = Path(__file__).parent.parent / "sbatch" / "example.yaml"
-    C.load(example, dict(C.parse_override(s) for s in runs._sets(strategy, scenario, 30.0)))
+    ex = EXAMPLES[example]
+    cfg = C.load(Path(__file__).parent.parent / "sbatch" / "example.yaml",
+                 dict(C.parse_override(s) for s in runs._sets(strategy, scenario, 30.0, ex)))
+    if ex.api == "init":     # what tm_slurm.init() requires of a standby
+        assert cfg.standby.sandbox and cfg.standby.sandbox_steps >= 2
 
 
 def test_a_stall_long_after_the_event_counts_when_the_runtime_says_it_was_then():

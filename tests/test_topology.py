@@ -58,3 +58,16 @@ def test_replicas_and_roles():
 def test_bad_rank():
     with pytest.raises(ValueError):
         topo(dp=2).coord(2)
+
+
+def test_with_a_sharded_dp_dimension_only_the_same_shard_position_is_a_replica():
+    # HSDP-style: dp=4 as 2 replicas x 2 shards (consecutive DP ranks shard one copy)
+    topo = Topology(Layout(dp=4, pp=1, tp=1, dp_shard=2))
+    assert [topo.state_key(r) for r in range(4)] == ["pp0.tp0.dp0", "pp0.tp0.dp1"] * 2
+    assert topo.replicas(0) == (2,) and topo.replicas(3) == (1,)
+    assert [topo.replica_index(r) for r in range(4)] == [0, 0, 1, 1]
+    # fully sharded: no replica anywhere (a lost rank's state is only in the checkpoint)
+    full = Topology(Layout(dp=2, dp_shard=2))
+    assert full.replicas(0) == () and full.replicas(1) == ()
+    # unsharded: the key is the same as before, every DP rank a replica
+    assert Topology(Layout(dp=3)).state_key(2) == "pp0.tp0" and Topology(Layout(dp=3)).replicas(1) == (0, 2)

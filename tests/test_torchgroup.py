@@ -56,7 +56,7 @@ def _ddp_rank(r, store):
     table = GroupTable(lambda gid, e: errors.append(gid), op_timeout=30)
     table.swap({"dp/pp0.tp0": _group(store, "a", r)})
     tg = TorchGroup("dp", 2)
-    tg.bind(table, "dp/pp0.tp0", r)
+    tg.bind(table, "dp/pp0.tp0", (0, 1), r)
     torch.manual_seed(r)                  # different weights: DDP broadcasts rank 0's
     model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)), process_group=tg)
     x = torch.ones(3, 8) * (r + 1)
@@ -108,7 +108,7 @@ def test_a_group_of_one_and_a_sandbox_serve_collectives_locally():
     serve_locally("allreduce", ([y],), 2)
     assert torch.equal(y, x)
     tg = TorchGroup("dp", 1)
-    tg.bind(GroupTable(lambda *a: None, 1.0), None, 0)
+    tg.bind(GroupTable(lambda *a: None, 1.0), None, (0,), 0)
     t = torch.ones(2)
     dist.all_reduce(t, group=tg)
     assert torch.equal(t, torch.ones(2)) and tg.rank() == 0 and tg.size() == 1

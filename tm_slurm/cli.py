@@ -16,7 +16,8 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 def load_config(args) -> cfgmod.Config:
     overrides = dict(cfgmod.parse_override(s) for s in (args.set or []))
     for flag, key in (("dp", "layout.dp"), ("pp", "layout.pp"), ("tp", "layout.tp"),
-                      ("ranks_per_node", "layout.ranks_per_node"), ("standbys", "standby.count")):
+                      ("ranks_per_node", "layout.ranks_per_node"), ("dp_shard", "layout.dp_shard"),
+                      ("standbys", "standby.count")):
         v = getattr(args, flag, None)
         if v is not None:
             overrides[key] = v
@@ -90,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--pp", type=int)
     r.add_argument("--tp", type=int)
     r.add_argument("--ranks-per-node", type=int, dest="ranks_per_node")
+    r.add_argument("--dp-shard", type=int, dest="dp_shard", help="DP ranks that shard one copy "
+                   "of the state (FSDP2: layout.dp_shard; --dp for fully_shard over the DP group)")
     r.add_argument("--job-dir", help="default: ./tm_slurm_jobs/<job id>")
     r.add_argument("--job-id", help="default: the Slurm job id, or local-<time>")
     r.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT_DIR",
@@ -142,9 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--steps", type=int, help="default 60 (ddp: 400); 800 with --compile (the "
                    "standbys must be warm before the interruptions come)")
     m.add_argument("--compile", action="store_true", help="torch.compile the example model")
-    m.add_argument("--example", choices=("gpt", "ddp"), default="gpt",
+    m.add_argument("--example", choices=("gpt", "ddp", "fsdp"), default="gpt",
                    help="gpt: a small GPT, DP=2 x PP=2, on the low-level API (default); ddp: a stock "
-                   "DDP loop on tm_slurm.init(), DP=2")
+                   "DDP loop on tm_slurm.init(), DP=2; fsdp: a stock FSDP2 loop, 2 shards")
     m.set_defaults(fn=cmd_demo)
 
     from .admin import add_parsers as add_admin

@@ -27,6 +27,9 @@ class Layout:
     pp: int = 1
     tp: int = 1
     ranks_per_node: int = 1
+    # DP ranks that shard one copy of the state between them (FSDP2's shard group, consecutive DP
+    # ranks): 1 = every DP rank holds a whole replica (DDP); dp = one sharded copy, no replica
+    dp_shard: int = 1
 
     @property
     def world(self) -> int:
@@ -156,9 +159,16 @@ class Config:
 
     def check(self) -> None:
         lay = self.layout
-        for k in ("dp", "pp", "tp", "ranks_per_node"):
+        for k in ("dp", "pp", "tp", "ranks_per_node", "dp_shard"):
             if getattr(lay, k) < 1:
                 raise ConfigError(f"layout.{k} must be >= 1, got {getattr(lay, k)}")
+        if lay.dp % lay.dp_shard:
+            raise ConfigError(f"layout.dp ({lay.dp}) must be a multiple of layout.dp_shard "
+                              f"({lay.dp_shard}): each replica of the state is sharded alike")
+        if lay.dp_shard > 1 and self.standby.when_exhausted == "shrink":
+            raise ConfigError("standby.when_exhausted=shrink drops DP replicas, and with "
+                              f"layout.dp_shard={lay.dp_shard} a DP rank holds only a shard of one: "
+                              "use wait or checkpoint_exit")
         if lay.ranks_per_node % lay.tp:
             raise ConfigError(
                 f"layout.ranks_per_node ({lay.ranks_per_node}) must be a multiple of layout.tp "

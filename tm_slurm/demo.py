@@ -47,6 +47,10 @@ EXAMPLES = {
                    4, "node2", "node4", 60),
     "ddp": Example("ddp", "ddp_example.py", "init", {"dp": 2, "pp": 1}, "stock DDP loop, DP=2 (tm_slurm.init)",
                    2, "node1", "node2", 400),   # ~10 ms steps: the kill comes after the swap
+    # FSDP2 over the DP group: the drained node's shard moves to the joiner; the killed one's is
+    # nowhere else, so every rank resumes from the checkpoint
+    "fsdp": Example("fsdp", "fsdp_example.py", "init", {"dp": 2, "pp": 1, "dp_shard": 2},
+                    "stock FSDP2 loop, 2 shards (tm_slurm.init)", 2, "node1", "node2", 400),
 }
 
 

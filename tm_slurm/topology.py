@@ -108,10 +108,21 @@ class Topology:
     def groups_of(self, rank: int) -> tuple[GroupSpec, ...]:
         return tuple(g for g in self.groups if rank in g.members)
 
+    def state_key(self, rank: int) -> str:
+        """Which part of the training state `rank` holds: its pipeline stage and tp shard, and
+        with `layout.dp_shard` > 1 its position in the DP shard group. Ranks of one key hold the
+        same state (replicas); a checkpoint has one shard per key."""
+        c, n = self.coord(rank), self.layout.dp_shard
+        return f"pp{c.pp}.tp{c.tp}" + (f".dp{c.dp % n}" if n > 1 else "")
+
+    def replica_index(self, rank: int) -> int:
+        return self.coord(rank).dp // self.layout.dp_shard
+
     def replicas(self, rank: int) -> tuple[int, ...]:
-        """Ranks holding the same state as `rank` (same pp stage and tp shard), itself excluded."""
-        c = self.coord(rank)
-        return tuple(self.rank(Coord(d, c.pp, c.tp)) for d in range(self.layout.dp) if d != c.dp)
+        """Ranks holding the same state as `rank` (the same key, in the other replicas)."""
+        c, n = self.coord(rank), self.layout.dp_shard
+        return tuple(self.rank(Coord(d, c.pp, c.tp)) for d in range(c.dp % n, self.layout.dp, n)
+                     if d != c.dp)
 
     def delta(self, moving_ranks: Iterable[int]) -> tuple[tuple[GroupSpec, ...], tuple[GroupSpec, ...]]:
         """(rebuilt, kept): a swap rebuilds exactly the groups containing a moving rank."""

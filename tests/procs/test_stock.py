@@ -37,16 +37,20 @@ MISTAKES = {
     "raw-step": "optimizer.step() was called on the optimizer itself",
     "no-step": "step 0 ended without opt.step()",
     "new-group": "dist.new_group is not available under tm_slurm: use job.group('dp')",
-    "default-group": "pass group=job.group('dp') (to DistributedDataParallel: process_group=job.group('dp'))",
+    "default-group": "on the default (world) group: under tm_slurm pass group=job.group('dp')",
     "init-twice": "init_process_group is not available under tm_slurm: tm_slurm.init() takes its place",
 }
 
 
 def test_porting_mistakes_fail_the_job_at_once_saying_what_to_do(tmp_path):
     script = Path(__file__).with_name("misuse_job.py")
-    for mistake, says in MISTAKES.items():
-        ran = run_job(tmp_path / mistake, "2+1", 20, layout=LAYOUT, script=script,
-                      script_args=["--misuse", mistake], timeout=120)
+    cases = [(m, says, script, ["--misuse", m]) for m, says in MISTAKES.items()]
+    # an FSDP2 model without layout.dp_shard: a recovery would take another rank's shard
+    cases.append(("fsdp-unsharded-layout", "sharded over job.group('dp') (FSDP2) but layout.dp_shard "
+                  "is 1", SBATCH / "fsdp_example.py", []))
+    for mistake, says, script, args in cases:
+        ran = run_job(tmp_path / mistake, "2+1", 20, layout=LAYOUT, script=script, script_args=args,
+                      timeout=120)
         assert ran.rc == 1, (mistake, ran.job_dir)
         (end,) = [e for e in ran.kinds("job_state") if e["state"] == "FAILED"]
         assert "the training script is at fault" in end["why"] and says in end["why"], (mistake, end)
@@ -54,3 +58,19 @@ def test_porting_mistakes_fail_the_job_at_once_saying_what_to_do(tmp_path):
         assert says in out, (mistake, out[-500:])
         # not a node failure: nothing was recovered, nothing requeued
         assert not ran.result["interruptions"], ran.result["interruptions"]
+
+
+FSDP = SBATCH / "fsdp_example.py"
+FSDP_LAYOUT = (*LAYOUT, "--dp-shard", "2")
+
+
+def test_stock_fsdp2_drain_moves_the_shard_and_a_kill_resumes_from_the_checkpoint(tmp_path, reference):
+    # FSDP2 over the DP group: each rank holds the only copy of its shard. A drain hands it to the
+    # joiner; a killed node's shard is nowhere else, so all ranks resume from the checkpoint
+    ran = run_job(tmp_path, "2+2", STEPS, [(12, "drain", "node1"), ("swap_complete", "kill", "node2")],
+                  layout=FSDP_LAYOUT, script=FSDP)
+    assert ran.rc == 0, ran.job_dir
+    assert ran.result["digests"] == reference(STEPS, FSDP_LAYOUT, active=2, script=FSDP)
+    (swap,) = ran.interruption("planned")
+    (rec,) = ran.interruption("unplanned")
+    assert swap["node"] == "node1" and rec["node"] == "node2" and rec["fallback"] == "checkpoint", (swap, rec)

@@ -1,9 +1,10 @@
 """Checkpoints: the fallback when no live replica holds a lost rank's state, and what a time limit
 or a lost controller leaves behind.
 
-Layout: <root>/step<NNNNNNNN>/pp<p>.tp<t>.pt (+ .sha256), one shard per (pipeline stage, tp
-shard), written by one DP replica of it (DP rank 0 unless told otherwise; the replicas hold
-identical state). Each file is written to a temporary name, fsynced and renamed, its digest
+Layout: <root>/step<NNNNNNNN>/pp<p>.tp<t>[.dp<s>].pt (+ .sha256), one shard per state key
+(`Topology.state_key`: pipeline stage, tp shard, and with layout.dp_shard > 1 the position in the
+DP shard group), written by one replica of it (replica 0 unless told otherwise; the replicas
+hold identical state). Each file is written to a temporary name, fsynced and renamed, its digest
 written after it; a checkpoint is valid only if every shard is present and matches its digest,
 so a partial or corrupt one is detected and an older one used.
 """
@@ -34,8 +35,7 @@ def step_dir(root_: Path, step: int) -> Path:
 
 
 def shard_name(topo: Topology, rank: int) -> str:
-    c = topo.coord(rank)
-    return f"pp{c.pp}.tp{c.tp}"
+    return topo.state_key(rank)
 
 
 def shards(topo: Topology) -> list[str]:
@@ -44,9 +44,9 @@ def shards(topo: Topology) -> list[str]:
 
 def save(root_: Path, step: int, rank: int, topo: Topology, state: TrainState,
          writer: bool | None = None) -> Path | None:
-    """Write this rank's shard of the state at the start of `step`. By default DP rank 0 writes;
+    """Write this rank's shard of the state at the start of `step`. By default replica 0 writes;
     `writer` overrides that (None: not written here)."""
-    if not (topo.coord(rank).dp == 0 if writer is None else writer):
+    if not (topo.replica_index(rank) == 0 if writer is None else writer):
         return None
     d = step_dir(root_, step)
     jobdir.private_dir(d)

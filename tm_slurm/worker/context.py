@@ -54,7 +54,7 @@ def make_context(topo: Topology, rank: int, table: GroupTable, device: torch.dev
     groups = groups or torch_groups(topo)
     for kind, tg in groups.items():
         g = mine.get(kind)
-        tg.bind(table, g and g.id, g.group_rank(rank) if g else 0)
+        tg.bind(table, g and g.id, g.members if g else (rank,), rank)
     prev_id = next_id = None
     for g in topo.groups_of(rank):
         if g.kind == "pp":

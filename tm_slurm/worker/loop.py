@@ -27,7 +27,8 @@ from ..exits import Exit
 from ..messages import Crashed, SwapPlan
 from . import checkpoint as ckpt
 from . import lost, promote
-from .rank import BuildFn, MisuseError, StepFn, Worker, exit_clean, is_link
+from ..errors import MisuseError
+from .rank import BuildFn, StepFn, Worker, exit_clean, is_link
 from .sandbox import Recorder
 from .state import digest, nbytes, send_state
 

@@ -23,6 +23,8 @@ from .. import config as cfgmod
 from .. import faults
 from ..comm.groups import Group, Reaper, build_group, pick_backend
 from ..comm.handles import GroupTable
+from ..comm.torchgroup import WorldGroup
+from ..comm.torchgroup import set_rank as set_world_rank
 from ..comm.sealed import SealedStore
 from ..control.auth import Keys, Sealer
 from ..control.wire import Wire
@@ -35,11 +37,6 @@ from .state import TrainState
 
 StepFn = Callable[[Context, TrainState, int], object]
 BuildFn = Callable[[Context], TrainState]
-
-
-class MisuseError(RuntimeError):
-    """The script uses the API or torch.distributed in a way the runtime cannot keep consistent:
-    it would fail the same way on any node (the job fails instead of recovering)."""
 
 
 def store_client(addr: tuple[str, int], timeout: float, keys: Keys) -> SealedStore:
@@ -73,6 +70,7 @@ class Worker:
         self.store = self.store_client(self.T.vote_timeout_s)
         self.table = GroupTable(self._on_comm_error, self.T.collective_timeout_s)
         self.torch_groups = torch_groups(self.topo)      # the same objects for the whole run
+        self.world: WorldGroup | None = None             # the default group, where registered
         self.total_steps: int | None = None
         self.reaper = Reaper()
         self.prepared: dict[int, dict[str, Group]] = {}
@@ -110,6 +108,8 @@ class Worker:
         self.rank = rank
         self.ctx = make_context(self.topo, rank, self.table, self.device, self.cfg.seed,
                                 groups=self.torch_groups)
+        if self.world is not None:
+            set_world_rank(self.world, rank)
 
     # ------------------------------------------------------------ groups
     def build(self, store, builds: list[GroupBuild], joiner: bool = False,

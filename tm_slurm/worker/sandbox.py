@@ -19,7 +19,7 @@ import torch
 
 from .. import jobdir
 from ..comm.handles import GroupTable, done
-from ..comm.torchgroup import serve_locally
+from ..comm.torchgroup import serve_locally, set_rank
 from ..events import fsync_write
 from ..topology import Coord, Topology
 
@@ -122,6 +122,8 @@ def rehearse(w, build_fn, step_fn, steps: int, wait_standins_s: float = 30.0) ->
             break                          # needed now: stop rehearsing, stay as warm as we are
         t0 = time.perf_counter()
         ctx = make_context(w.topo, r, table, w.device, w.cfg.seed, sandbox=True, groups=w.torch_groups)
+        if w.world is not None:
+            set_rank(w.world, r)
         state = build_fn(ctx)
         times = []
         for i in range(steps):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .. import faults
 from ..control.auth import Sealer
@@ -43,7 +44,16 @@ def tensors(state: TrainState) -> list[tuple[str, torch.Tensor]]:
             for k in sorted(st):
                 if isinstance(st[k], torch.Tensor):
                     out.append((f"opt.{i}.{k}", st[k]))
-    return [(n, t.data if isinstance(t, torch.nn.Parameter) else t) for n, t in out]
+    return [(n, _local(t.data if isinstance(t, torch.nn.Parameter) else t)) for n, t in out]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor (FSDP2's DTensor) moves, checkpoints and digests as this rank's shard:
+    the local tensor, which shares its storage (receiving into it updates the parameter)."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
 
 
 def manifest(state: TrainState, step: int) -> StateManifest:
@@ -77,8 +87,8 @@ def apply_manifest(state: TrainState, m: StateManifest) -> list[torch.Tensor]:
             for k in keys:
                 shape, dt = by_name[f"opt.{i}.{k}"]
                 cur = st.get(k)
-                if not (isinstance(cur, torch.Tensor) and tuple(cur.shape) == shape
-                        and str(cur.dtype) == dt):
+                cur = _local(cur) if isinstance(cur, torch.Tensor) else None
+                if not (cur is not None and tuple(cur.shape) == shape and str(cur.dtype) == dt):
                     st[k] = torch.empty(shape, dtype=_dtype(dt), device=p.device)
             st.update(m.opt_scalars.get(i, {}))
     if state.scheduler is not None and m.scheduler is not None:

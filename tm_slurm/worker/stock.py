@@ -26,11 +26,13 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from ..comm.torchgroup import TorchGroup
+from ..comm.torchgroup import TorchGroup, WorldGroup, register, set_rank
 from . import loop
 from .context import Context
-from .rank import MisuseError, Worker
+from ..errors import MisuseError
+from .rank import Worker
 from .state import TrainState
 
 
@@ -123,6 +125,12 @@ class Job(_Rank):
         module, its optimizer and scheduler) and get the optimizer to step in the loop."""
         if self._state is not None:
             raise MisuseError("job.optimizer() is called once, with the model and its optimizer")
+        lay = self._w.cfg.layout
+        if lay.dp_shard == 1 and _sharded_over(model, self.group("dp")):
+            raise MisuseError(
+                "the model is sharded over job.group('dp') (FSDP2) but layout.dp_shard is 1: the "
+                "runtime would recover a rank's shard from another DP rank's. Set layout.dp_shard "
+                f"(--dp-shard {lay.dp} for fully_shard over the whole DP group)")
         self._state = TrainState(model, optimizer, scheduler)
         runtime = self._runtime
 
@@ -185,6 +193,9 @@ class PlainJob(_Rank):
         from .plain import PlainRun
         self._run = PlainRun()
         self._state: TrainState | None = None
+        world = WorldGroup(self.ctx.world)
+        register({"dp": self.ctx.dp.group, "tp": self.ctx.tp.group}, world)
+        set_rank(world, self.ctx.rank)
 
     @property
     def ctx(self) -> Context:
@@ -205,6 +216,16 @@ class PlainJob(_Rank):
             self._state.scheduler.step()
 
 
+def _sharded_over(model: torch.nn.Module, group) -> bool:
+    """Whether a parameter of `model` is a DTensor sharded along a mesh dimension of `group`."""
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+            if any(pl.is_shard() and mesh.get_group(d) is group for d, pl in enumerate(p.placements)):
+                return True
+    return False
+
+
 def _forbid(what: str, instead: str):
     def forbidden(*_, **__):
         raise MisuseError(f"{what} is not available under tm_slurm: {instead}")
@@ -213,17 +234,14 @@ def _forbid(what: str, instead: str):
 
 def _guard_torch() -> None:
     """torch.distributed calls that would make groups the runtime does not know (and so could not
-    swap) fail at once, saying what to use instead."""
+    swap) fail at once, saying what to use instead (a collective on the default group does too:
+    `WorldGroup`)."""
     from torch.distributed import distributed_c10d as c10d
-    from torch.nn.parallel import distributed as ddp
     init = _forbid("init_process_group", "tm_slurm.init() takes its place")
     new = _forbid("dist.new_group", "use job.group('dp') or job.group('tp'), the groups the "
                   "runtime keeps through swaps")
-    default = _forbid("the default (world) process group", "pass group=job.group('dp') (to "
-                      "DistributedDataParallel: process_group=job.group('dp'))")
     for mod in (dist, c10d):
         mod.init_process_group, mod.new_group = init, new
-    c10d._get_default_group = ddp._get_default_group = default
 
 
 def init() -> Job | PlainJob:
@@ -243,6 +261,8 @@ def init() -> Job | PlainJob:
                               "DDP settles its gradient buckets (a broadcast) in its second step, "
                               "and a joiner must have done so before it joins the others")
         _guard_torch()
+        w.world = WorldGroup(lay.world)
+        register(w.torch_groups, w.world)
         job = Job(w)
         job._runtime = threading.Thread(target=job._drive, name="tm-runtime", daemon=True)
     except BaseException:
