@@ -1,10 +1,12 @@
-"""A stock FSDP2 loop under tm-slurm: `fully_shard` on a DeviceMesh made from the runtime's group.
+"""A stock FSDP2 loop under tm-slurm: `fully_shard` on the runtime's DeviceMesh.
 
-    tm-slurm run --local 2+1 --config sbatch/example.yaml --dp 2 --pp 1 -- python sbatch/fsdp_example.py
+    # FSDP: 2 shards, no replica (a lost shard comes back from the checkpoint)
+    tm-slurm run --local 2+1 --config sbatch/example.yaml --dp 2 --dp-shard 2 --pp 1 -- python sbatch/fsdp_example.py
+    # HSDP: 2 replicas x 2 shards, two ranks a node (a lost node's shards come from the other replica)
+    tm-slurm run --local 2+1 --config sbatch/example.yaml --dp 4 --dp-shard 2 --ranks-per-node 2 --pp 1 -- python sbatch/fsdp_example.py
 
-Each rank holds half of every parameter and of its optimizer state; a drained node hands its
-shard to the joiner, and a lost one (no replica holds its shard) falls back to the checkpoint.
-The lines marked `# tm_slurm` are all that differ from the same script under torchrun.
+A drained node hands its shards to the joiner. The lines marked `# tm_slurm` are all that differ
+from the same script under torchrun (where the mesh comes from init_device_mesh).
 """
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 import tm_slurm                                                         # tm_slurm
@@ -51,7 +52,7 @@ class Net(nn.Module):
 
 
 job = tm_slurm.init()                                                   # tm_slurm
-mesh = DeviceMesh.from_group(job.group("dp"), job.device.type)          # tm_slurm
+mesh = job.mesh()      # tm_slurm: DeviceMesh.from_group(job.group("dp")), or (dp_rep, dp_shard) for HSDP
 torch.manual_seed(0)
 model = Net(args.vocab, args.dim).to(job.device)
 for block in model.blocks:

@@ -24,7 +24,7 @@ class Coord:
 class GroupSpec:
     """One communication group. `members[i]` is the global rank holding group rank i."""
     id: str
-    kind: str            # "dp" | "pp" | "tp"
+    kind: str            # "dp" | "pp" | "tp" | "dp_shard" | "dp_rep" (HSDP)
     members: tuple[int, ...]
 
     def group_rank(self, rank: int) -> int:
@@ -99,7 +99,24 @@ class Topology:
                 for p in range(lay.pp):
                     out.append(GroupSpec(f"tp/dp{d}.pp{p}", "tp",
                                          tuple(self.rank(Coord(d, p, t)) for t in range(lay.tp))))
+        n = lay.dp_shard
+        if 1 < n < lay.dp:           # HSDP: each replica's shard group, each shard's replicate group
+            for p in range(lay.pp):
+                for t in range(lay.tp):
+                    for r in range(lay.dp // n):
+                        out.append(GroupSpec(f"dp_shard/pp{p}.tp{t}.r{r}", "dp_shard",
+                                             tuple(self.rank(Coord(r * n + s, p, t)) for s in range(n))))
+                    for s in range(n):
+                        out.append(GroupSpec(f"dp_rep/pp{p}.tp{t}.s{s}", "dp_rep",
+                                             tuple(self.rank(Coord(d, p, t)) for d in range(s, lay.dp, n))))
         return tuple(out)
+
+    def dp_mesh(self, rank: int) -> list:
+        """The global ranks of `rank`'s DP dimension as torch's DeviceMesh wants them: 1-D, or
+        [replica][shard] when the DP dimension is sharded in replicas (HSDP)."""
+        c, lay, n = self.coord(rank), self.layout, self.layout.dp_shard
+        ranks = [self.rank(Coord(d, c.pp, c.tp)) for d in range(lay.dp)]
+        return [ranks[i:i + n] for i in range(0, lay.dp, n)] if 1 < n < lay.dp else ranks
 
     @cached_property
     def group_by_id(self) -> dict[str, GroupSpec]:

@@ -74,3 +74,21 @@ def test_stock_fsdp2_drain_moves_the_shard_and_a_kill_resumes_from_the_checkpoin
     (swap,) = ran.interruption("planned")
     (rec,) = ran.interruption("unplanned")
     assert swap["node"] == "node1" and rec["node"] == "node2" and rec["fallback"] == "checkpoint", (swap, rec)
+
+
+HSDP_LAYOUT = ("--dp", "4", "--pp", "1", "--dp-shard", "2", "--ranks-per-node", "2")
+
+
+def test_stock_hsdp_two_ranks_a_node_drain_and_kill_recover_shards_from_their_replica(tmp_path, reference):
+    # 2 replicas x 2 shards, a node holds one replica's two shards: the drained node hands both
+    # over; the killed node's shards come from the other replica's ranks, not the checkpoint
+    ran = run_job(tmp_path, "2+2", STEPS, [(12, "drain", "node1"), ("swap_complete", "kill", "node2")],
+                  layout=HSDP_LAYOUT, script=FSDP)
+    assert ran.rc == 0, ran.job_dir
+    assert ran.result["digests"] == reference(STEPS, HSDP_LAYOUT, active=2, script=FSDP)
+    (swap,) = ran.interruption("planned")
+    (rec,) = ran.interruption("unplanned")
+    assert swap["node"] == "node1" and rec["node"] == "node2" and rec["fallback"] is None, (swap, rec)
+    (plan,) = ran.kinds("recovery_planned")
+    assert plan["donors"] == {"2": 0, "3": 1}, plan        # the same shard position, other replica
+    assert sorted(e["rank"] for e in ran.kinds("rank_joined")) == [0, 1, 2, 3]

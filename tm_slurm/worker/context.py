@@ -29,6 +29,8 @@ class Context:
     tp: Comm
     seed: int
     sandbox: bool = False
+    groups: dict = None       # kind -> TorchGroup (dp, tp; dp_shard, dp_rep with HSDP)
+    dp_mesh: list = None      # the global ranks of this rank's DP dimension (Topology.dp_mesh)
 
     @property
     def is_first_stage(self) -> bool:
@@ -41,7 +43,11 @@ class Context:
 
 def torch_groups(topo: Topology) -> dict[str, TorchGroup]:
     """A worker's torch process groups, made once: training code keeps them for the whole run."""
-    return {"dp": TorchGroup("dp", topo.layout.dp), "tp": TorchGroup("tp", topo.layout.tp)}
+    lay, n = topo.layout, topo.layout.dp_shard
+    sizes = {"dp": lay.dp, "tp": lay.tp}
+    if 1 < n < lay.dp:
+        sizes.update(dp_shard=n, dp_rep=lay.dp // n)
+    return {kind: TorchGroup(kind, size) for kind, size in sizes.items()}
 
 
 def make_context(topo: Topology, rank: int, table: GroupTable, device: torch.device, seed: int,
@@ -49,9 +55,9 @@ def make_context(topo: Topology, rank: int, table: GroupTable, device: torch.dev
     """`rank`'s context on `table`; `groups` (the worker's `torch_groups`) are bound to it too."""
     c = topo.coord(rank)
     lay = topo.layout
-    mine = {g.kind: g for g in topo.groups_of(rank) if g.kind in ("dp", "tp")}
-    ids = {k: g.id for k, g in mine.items()}
     groups = groups or torch_groups(topo)
+    mine = {g.kind: g for g in topo.groups_of(rank) if g.kind in groups}
+    ids = {k: g.id for k, g in mine.items()}
     for kind, tg in groups.items():
         g = mine.get(kind)
         tg.bind(table, g and g.id, g.members if g else (rank,), rank)
@@ -66,4 +72,5 @@ def make_context(topo: Topology, rank: int, table: GroupTable, device: torch.dev
         rank=rank, world=lay.world, dp_rank=c.dp, dp_size=lay.dp, pp_rank=c.pp, pp_size=lay.pp,
         tp_rank=c.tp, tp_size=lay.tp, role=topo.role(rank).name, device=device,
         dp=Comm(table, ids.get("dp"), lay.dp, c.dp, groups["dp"]), pp=PipeComm(table, prev_id, next_id),
-        tp=Comm(table, ids.get("tp"), lay.tp, c.tp, groups["tp"]), seed=seed, sandbox=sandbox)
+        tp=Comm(table, ids.get("tp"), lay.tp, c.tp, groups["tp"]), seed=seed, sandbox=sandbox,
+        groups=groups, dp_mesh=topo.dp_mesh(rank))

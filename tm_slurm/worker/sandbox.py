@@ -96,12 +96,13 @@ def local_table(topo: Topology, standins: dict[str, torch.Tensor] | None = None)
     return SandboxTable(standins or {}, {g.id: len(g.members) for g in topo.groups})
 
 
-def rehearsal_ranks(topo: Topology) -> list[int]:
+def rehearsal_ranks(topo: Topology, local: int = 0) -> list[int]:
     """One rank per distinct role, in the order first, last, middle: the standby parks in the
-    last one (middle when PP >= 3, the paper's choice)."""
+    last one (middle when PP >= 3, the paper's choice). Worker `local` of a node rehearses the
+    rank it would hold in a slot of that role: its TP and shard position are those of any slot."""
     pp = topo.layout.pp
     stages = [0] if pp == 1 else ([0, pp - 1] + ([pp // 2] if pp >= 3 else []))
-    return [topo.rank(Coord(0, s, 0)) for s in stages]
+    return [topo.slot_ranks(topo.slot_of(topo.rank(Coord(0, s, 0))))[local] for s in stages]
 
 
 def rehearse(w, build_fn, step_fn, steps: int, wait_standins_s: float = 30.0) -> dict:
@@ -117,7 +118,7 @@ def rehearse(w, build_fn, step_fn, steps: int, wait_standins_s: float = 30.0) ->
     table = local_table(w.topo, standins)
     report = {"roles": {}, "recorded_standins": len(standins)}
     parked = None
-    for r in rehearsal_ranks(w.topo):
+    for r in rehearsal_ranks(w.topo, w.local):
         if not w.inbox.assignments.empty():
             break                          # needed now: stop rehearsing, stay as warm as we are
         t0 = time.perf_counter()

@@ -97,11 +97,21 @@ class _Rank:
         raise AttributeError(name)
 
     def group(self, kind: str) -> TorchGroup:
-        """This rank's group of `kind` ("dp" or "tp") as a torch ProcessGroup: the same object for
-        the whole run (the group under it changes at swaps)."""
-        if kind not in ("dp", "tp"):
-            raise ValueError(f"no group kind {kind!r}: valid kinds are ['dp', 'tp']")
-        return getattr(self.ctx, kind).group
+        """This rank's group of `kind` ("dp", "tp"; with HSDP "dp_shard", "dp_rep") as a torch
+        ProcessGroup: the same object for the whole run (the group under it changes at swaps)."""
+        if kind not in self.ctx.groups:
+            raise ValueError(f"no group kind {kind!r} in this layout: valid kinds are {sorted(self.ctx.groups)}")
+        return self.ctx.groups[kind]
+
+    def mesh(self):
+        """The DP dimension as a DeviceMesh for `fully_shard`: 1-D over job.group("dp"), or with
+        layout.dp_shard < dp, 2-D ("dp_rep", "dp_shard") for HSDP."""
+        from torch.distributed.device_mesh import DeviceMesh
+        dev = self.ctx.device.type
+        if "dp_shard" in self.ctx.groups:
+            return DeviceMesh.from_group([self.group("dp_rep"), self.group("dp_shard")], dev,
+                                         mesh=self.ctx.dp_mesh, mesh_dim_names=("dp_rep", "dp_shard"))
+        return DeviceMesh.from_group(self.group("dp"), dev, mesh_dim_names=("dp",))
 
 
 class Job(_Rank):
@@ -126,11 +136,12 @@ class Job(_Rank):
         if self._state is not None:
             raise MisuseError("job.optimizer() is called once, with the model and its optimizer")
         lay = self._w.cfg.layout
-        if lay.dp_shard == 1 and _sharded_over(model, self.group("dp")):
+        if lay.dp_shard != lay.dp and _sharded_over(model, self.group("dp")):
             raise MisuseError(
-                "the model is sharded over job.group('dp') (FSDP2) but layout.dp_shard is 1: the "
-                "runtime would recover a rank's shard from another DP rank's. Set layout.dp_shard "
-                f"(--dp-shard {lay.dp} for fully_shard over the whole DP group)")
+                f"the model is sharded over job.group('dp') (FSDP2) but layout.dp_shard is {lay.dp_shard}: "
+                "the runtime would recover a rank's shard from another DP rank's. Set layout.dp_shard "
+                f"(--dp-shard {lay.dp} for fully_shard over the whole DP group; or shard over "
+                "job.mesh() for HSDP)")
         self._state = TrainState(model, optimizer, scheduler)
         runtime = self._runtime
 
@@ -194,7 +205,7 @@ class PlainJob(_Rank):
         self._run = PlainRun()
         self._state: TrainState | None = None
         world = WorldGroup(self.ctx.world)
-        register({"dp": self.ctx.dp.group, "tp": self.ctx.tp.group}, world)
+        register(self.ctx.groups, world)
         set_rank(world, self.ctx.rank)
 
     @property
