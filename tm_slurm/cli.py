@@ -145,9 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--steps", type=int, help="default 60 (ddp: 400); 800 with --compile (the "
                    "standbys must be warm before the interruptions come)")
     m.add_argument("--compile", action="store_true", help="torch.compile the example model")
-    m.add_argument("--example", choices=("gpt", "ddp", "fsdp"), default="gpt",
+    m.add_argument("--example", choices=("gpt", "ddp", "fsdp", "llama"), default="gpt",
                    help="gpt: a small GPT, DP=2 x PP=2, on the low-level API (default); ddp: a stock "
-                   "DDP loop on tm_slurm.init(), DP=2; fsdp: a stock FSDP2 loop, 2 shards")
+                   "DDP loop on tm_slurm.init(), DP=2; fsdp: a stock FSDP2 loop, 2 shards; llama: a "
+                   "Llama-style decoder, HSDP 2 x 2, two ranks a node")
     m.set_defaults(fn=cmd_demo)
 
     from .admin import add_parsers as add_admin

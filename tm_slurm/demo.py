@@ -51,6 +51,11 @@ EXAMPLES = {
     # nowhere else, so every rank resumes from the checkpoint
     "fsdp": Example("fsdp", "fsdp_example.py", "init", {"dp": 2, "pp": 1, "dp_shard": 2},
                     "stock FSDP2 loop, 2 shards (tm_slurm.init)", 2, "node1", "node2", 400),
+    # a Llama-style decoder, HSDP 2 replicas x 2 shards, two ranks a node: node1 holds replica
+    # 0's two shards; the killed node2's shards come back from replica 0
+    "llama": Example("llama", "llama_fsdp.py", "init", {"dp": 4, "pp": 1, "dp_shard": 2, "ranks_per_node": 2},
+                     "Llama-style decoder, FSDP2 HSDP 2 x 2, two ranks a node (tm_slurm.init)",
+                     2, "node1", "node2", 300),
 }
 
 

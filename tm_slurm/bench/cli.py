@@ -30,8 +30,8 @@ def add_parser(sub) -> None:
     b.add_argument("--compile", action="store_true", help="torch.compile the example (the joiner's "
                    "first step then shows what the sandbox warms)")
     b.add_argument("--example", choices=sorted(EXAMPLES), default="gpt",
-                   help="the job measured: gpt (DP=2 x PP=2, the low-level API), ddp (a stock DDP loop) "
-                   "or fsdp (a stock FSDP2 loop)")
+                   help="the job measured: gpt (DP=2 x PP=2, the low-level API), ddp (a stock DDP loop), "
+                   "fsdp (a stock FSDP2 loop) or llama (a Llama-style decoder, HSDP 2 x 2)")
     b.add_argument("--out", help="default: ./tm_slurm_jobs/bench-<time>")
     b.add_argument("--no-plot", action="store_true")
     b.add_argument("--scaling", action="store_true", help="also: swap cost vs world size")

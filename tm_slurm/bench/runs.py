@@ -159,10 +159,12 @@ def plain_steady(root: Path, steps: int, script_args: list[str], timeout: float 
     port = 0            # rank 0 picks one and tells the others (worker/plain.py)
     procs = []
     out.mkdir(parents=True)
-    world = ex.active
-    lay = {f"TM_SLURM_{k.upper()}": str(v) for k, v in ex.layout.items()}
+    per_node = ex.layout.get("ranks_per_node", 1)
+    world = ex.active * per_node
+    lay = {f"TM_SLURM_{k.upper()}": str(v) for k, v in ex.layout.items() if k != "ranks_per_node"}
     for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r % per_node),
+                   MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), TM_SLURM_PLAIN_OUT=str(out), **lay)
         with open(out / f"rank{r}.log", "w") as log:
             procs.append(subprocess.Popen([sys.executable, str(ex.script), "--steps", str(steps), *MODEL,

@@ -1,8 +1,8 @@
 """The same script without the runtime: launched by torchrun (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT set), `tm_slurm.run` trains with plain torch.distributed groups (built by the same
 code), no vote, no agent, no swaps. This is the baseline of the steady-state overhead benchmark,
-and a way to debug a ported script without tm-slurm. Layout: TM_SLURM_DP / _PP / _TP
-(default: all data parallel). Writes per-step times and the final digest to $TM_SLURM_PLAIN_OUT.
+and a way to debug a ported script without tm-slurm. Layout: TM_SLURM_DP / _PP / _TP /
+_DP_SHARD (default: all data parallel). Writes per-step times and the final digest to $TM_SLURM_PLAIN_OUT.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class PlainRun:
         env = os.environ
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         lay = Layout(dp=int(env.get("TM_SLURM_DP", world)), pp=int(env.get("TM_SLURM_PP", 1)),
-                     tp=int(env.get("TM_SLURM_TP", 1)))
+                     tp=int(env.get("TM_SLURM_TP", 1)), dp_shard=int(env.get("TM_SLURM_DP_SHARD", 1)))
         if lay.world != world:
             raise SystemExit(f"TM_SLURM_DP x PP x TP = {lay.world} but WORLD_SIZE = {world}")
         topo = Topology(lay)

@@ -119,8 +119,10 @@ def rehearse(w, build_fn, step_fn, steps: int, wait_standins_s: float = 30.0) ->
     report = {"roles": {}, "recorded_standins": len(standins)}
     parked = None
     for r in rehearsal_ranks(w.topo, w.local):
-        if not w.inbox.assignments.empty():
+        if parked is not None and not w.inbox.assignments.empty():
             break                          # needed now: stop rehearsing, stay as warm as we are
+        # (the first role always: a joiner's model has taken steps; DDP settles its buckets in
+        # its second, and a joiner that had not would call a collective no one else calls)
         t0 = time.perf_counter()
         ctx = make_context(w.topo, r, table, w.device, w.cfg.seed, sandbox=True, groups=w.torch_groups)
         if w.world is not None:

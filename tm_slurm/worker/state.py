@@ -89,7 +89,10 @@ def apply_manifest(state: TrainState, m: StateManifest) -> list[torch.Tensor]:
                 cur = st.get(k)
                 cur = _local(cur) if isinstance(cur, torch.Tensor) else None
                 if not (cur is not None and tuple(cur.shape) == shape and str(cur.dtype) == dt):
-                    st[k] = torch.empty(shape, dtype=_dtype(dt), device=p.device)
+                    if isinstance(p, DTensor) and shape == tuple(p.to_local().shape):
+                        st[k] = torch.zeros_like(p, dtype=_dtype(dt))   # sharded as its parameter
+                    else:
+                        st[k] = torch.empty(shape, dtype=_dtype(dt), device=p.device)
             st.update(m.opt_scalars.get(i, {}))
     if state.scheduler is not None and m.scheduler is not None:
         state.scheduler.load_state_dict(m.scheduler)
