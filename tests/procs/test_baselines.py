@@ -4,6 +4,7 @@ run of the same script computes exactly what tm_slurm computes."""
 import pytest
 
 from tm_slurm.bench import runs
+from tm_slurm.demo import EXAMPLES
 
 from ..jobs import TINY, run_job
 
@@ -27,3 +28,10 @@ def test_elastic_restart_is_bit_identical(tmp_path, reference, verb, node):
 def test_plain_run_computes_what_tm_slurm_computes(tmp_path, reference):
     _, info = runs.plain_steady(tmp_path, STEPS, TINY)
     assert info["digests"] == reference(STEPS)
+
+
+def test_a_stock_script_under_torchrun_computes_what_it_computes_under_tm_slurm(tmp_path, reference):
+    # tm_slurm.init() without the runtime (PlainJob): the HSDP llama example, two ranks a node
+    ex = EXAMPLES["llama"]
+    _, info = runs.plain_steady(tmp_path, 40, [], ex=ex)
+    assert info["digests"] == reference(40, tuple(ex.args()), active=ex.active, script=ex.script)

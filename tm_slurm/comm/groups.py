@@ -6,6 +6,7 @@ initialisation on a bound device, so a swap's phase 1 really pays the communicat
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -61,6 +62,10 @@ def _gloo(store, build: GroupBuild, grank: int, timeout: float, threads: int, if
 
 
 def _nccl(store, build: GroupBuild, grank: int, timeout: float, device: torch.device):
+    # read by each new ProcessGroupNCCL: 2 = the watchdog only aborts the failed communicator. The
+    # default (3) tears the process down, so a healthy rank would die with its peer instead of
+    # failing through to the vote and being kept
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timedelta(seconds=timeout)
     be = dist.ProcessGroupNCCL(store, grank, len(build.members), opts)
