@@ -49,8 +49,8 @@ EXAMPLES = {
                    2, "node1", "node2", 400),   # ~10 ms steps: the kill comes after the swap
     # FSDP2 over the DP group: the drained node's shard moves to the joiner; the killed one's is
     # nowhere else, so every rank resumes from the checkpoint
-    "fsdp": Example("fsdp", "fsdp_example.py", "init", {"dp": 2, "pp": 1, "dp_shard": 2},
-                    "stock FSDP2 loop, 2 shards (tm_slurm.init)", 2, "node1", "node2", 400),
+    "fsdp": Example("fsdp", "llama_fsdp.py", "init", {"dp": 2, "pp": 1, "dp_shard": 2},
+                    "Llama-style decoder, FSDP2 over 2 shards (tm_slurm.init)", 2, "node1", "node2", 300),
     # a Llama-style decoder, HSDP 2 replicas x 2 shards, two ranks a node: node1 holds replica
     # 0's two shards; the killed node2's shards come back from replica 0
     "llama": Example("llama", "llama_fsdp.py", "init", {"dp": 4, "pp": 1, "dp_shard": 2, "ranks_per_node": 2},
