@@ -4,10 +4,14 @@
     tm-slurm run --local 2+1 --config sbatch/example.yaml --dp 4 --dp-shard 2 --ranks-per-node 2 \\
         --pp 1 -- python sbatch/llama_fsdp.py
     tm-slurm demo --example llama          # the same with a drain and a node kill, checked bit for bit
+    # HSDP x TP: 2 replicas x 2 shards x TP 2, four ranks a node
+    tm-slurm run --local 2+1 --config sbatch/example.yaml --dp 4 --dp-shard 2 --tp 2 --ranks-per-node 4 \
+        --pp 1 -- python sbatch/llama_fsdp.py
 
-RMSNorm, rotary position embeddings, SwiGLU feed-forward, grouped causal attention and tied
+RMSNorm, rotary position embeddings, SwiGLU feed-forward, causal attention and tied
 input/output embeddings; each block is its own FSDP2 unit (and, with --compile, compiled on its
-own), the root holds the embeddings. The loop is a stock one: the lines marked `# tm_slurm` are
+own), the root holds the embeddings. With --tp 2 (layout.tp) each block is also tensor parallel
+inside a node (Megatron-style, `parallelize_module` on the runtime's tp group). The loop is a stock one: the lines marked `# tm_slurm` are
 what differs from the same script under torchrun.
 """
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import tm_slurm                                                         # tm_slurm
 from tm_slurm.data import SyntheticTokens
@@ -72,10 +77,11 @@ class Block(nn.Module):
     def forward(self, x, cos, sin):
         b, s, d = x.shape
         h = self.attn_norm(x)
-        q, k, v = (w(h).view(b, s, self.h, self.hd).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        # -1 heads: with tensor parallel a rank holds h / tp of them (its column shard)
+        q, k, v = (w(h).view(b, s, -1, self.hd).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.wo(a.transpose(1, 2).reshape(b, s, d))
+        x = x + self.wo(a.transpose(1, 2).reshape(b, s, -1))
         h = self.ffn_norm(x)
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 
@@ -98,15 +104,22 @@ class Llama(nn.Module):
         return self.norm(x) @ self.emb.weight.t()          # tied output embedding
 
 
+# Megatron-style tensor parallel inside a block: q, k, v and the SwiGLU's w1, w3 split by columns
+# (heads), wo and w2 by rows; norms and the tied embeddings stay replicated over TP
+TP_PLAN = {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(),
+           "wo": RowwiseParallel(), "w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+
 job = tm_slurm.init()                                                   # tm_slurm
-mesh = job.mesh()                                                       # tm_slurm: (dp_rep, dp_shard)
+mesh = job.mesh()       # tm_slurm: dims (dp_rep, dp_shard) for HSDP, then tp with --tp
 torch.manual_seed(0)
 model = Llama(args.vocab, args.dim, args.layers, args.heads, args.seq).to(job.device)
-for i, blk in enumerate(model.blocks):
+for blk in model.blocks:
+    if job.tp_size > 1:
+        parallelize_module(blk, mesh["tp"], TP_PLAN)
     if args.compile:
         blk.compile()
-    fully_shard(blk, mesh=mesh)
-fully_shard(model, mesh=mesh)               # the root: embeddings (tied) and the final norm
+    fully_shard(blk, mesh=mesh[job.dp_dims])
+fully_shard(model, mesh=mesh[job.dp_dims])  # the root: embeddings (tied) and the final norm
 opt = job.optimizer(model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1))  # tm_slurm
 data = SyntheticTokens(args.vocab, args.seq, args.batch, seed=1)
 

@@ -111,12 +111,28 @@ class Topology:
                                              tuple(self.rank(Coord(d, p, t)) for d in range(s, lay.dp, n))))
         return tuple(out)
 
-    def dp_mesh(self, rank: int) -> list:
-        """The global ranks of `rank`'s DP dimension as torch's DeviceMesh wants them: 1-D, or
-        [replica][shard] when the DP dimension is sharded in replicas (HSDP)."""
-        c, lay, n = self.coord(rank), self.layout, self.layout.dp_shard
-        ranks = [self.rank(Coord(d, c.pp, c.tp)) for d in range(lay.dp)]
-        return [ranks[i:i + n] for i in range(0, lay.dp, n)] if 1 < n < lay.dp else ranks
+    def mesh_dims(self) -> tuple[str, ...]:
+        """The group kinds of a rank's data and tensor parallel mesh, outermost first: the DP
+        dimension ("dp", or "dp_rep" x "dp_shard" for HSDP), then "tp" when there is one."""
+        lay, n = self.layout, self.layout.dp_shard
+        dims = ("dp_rep", "dp_shard") if 1 < n < lay.dp else ("dp",)
+        return dims + (("tp",) if lay.tp > 1 else ())
+
+    def mesh(self, rank: int) -> list:
+        """The global ranks of `rank`'s mesh (`mesh_dims`) as torch's DeviceMesh wants them."""
+        c, lay = self.coord(rank), self.layout
+        dims = self.mesh_dims()
+        sizes = {"dp": lay.dp, "dp_rep": lay.dp // lay.dp_shard, "dp_shard": lay.dp_shard, "tp": lay.tp}
+
+        def ranks(idx: dict) -> int:
+            d = idx.get("dp", idx.get("dp_rep", 0) * lay.dp_shard + idx.get("dp_shard", 0))
+            return self.rank(Coord(d, c.pp, idx.get("tp", 0)))
+
+        def nest(i: int, idx: dict):
+            if i == len(dims):
+                return ranks(idx)
+            return [nest(i + 1, {**idx, dims[i]: k}) for k in range(sizes[dims[i]])]
+        return nest(0, {})
 
     @cached_property
     def group_by_id(self) -> dict[str, GroupSpec]:

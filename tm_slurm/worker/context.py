@@ -30,7 +30,8 @@ class Context:
     seed: int
     sandbox: bool = False
     groups: dict = None       # kind -> TorchGroup (dp, tp; dp_shard, dp_rep with HSDP)
-    dp_mesh: list = None      # the global ranks of this rank's DP dimension (Topology.dp_mesh)
+    mesh: list = None         # the global ranks of this rank's DP (x TP) mesh (Topology.mesh)
+    mesh_dims: tuple = ()     # its dims' group kinds (Topology.mesh_dims)
 
     @property
     def is_first_stage(self) -> bool:
@@ -73,4 +74,4 @@ def make_context(topo: Topology, rank: int, table: GroupTable, device: torch.dev
         tp_rank=c.tp, tp_size=lay.tp, role=topo.role(rank).name, device=device,
         dp=Comm(table, ids.get("dp"), lay.dp, c.dp, groups["dp"]), pp=PipeComm(table, prev_id, next_id),
         tp=Comm(table, ids.get("tp"), lay.tp, c.tp, groups["tp"]), seed=seed, sandbox=sandbox,
-        groups=groups, dp_mesh=topo.dp_mesh(rank))
+        groups=groups, mesh=topo.mesh(rank), mesh_dims=topo.mesh_dims())

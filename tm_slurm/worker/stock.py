@@ -104,14 +104,19 @@ class _Rank:
         return self.ctx.groups[kind]
 
     def mesh(self):
-        """The DP dimension as a DeviceMesh for `fully_shard`: 1-D over job.group("dp"), or with
-        layout.dp_shard < dp, 2-D ("dp_rep", "dp_shard") for HSDP."""
+        """This rank's data (x tensor) parallel DeviceMesh over the runtime's groups, for
+        `fully_shard` and `parallelize_module`: dims ("dp",), or ("dp_rep", "dp_shard") for HSDP,
+        then "tp" when layout.tp > 1 (`job.dp_dims` names the DP part: fully_shard(m,
+        mesh=mesh[job.dp_dims]); parallelize_module(m, mesh["tp"], plan))."""
         from torch.distributed.device_mesh import DeviceMesh
-        dev = self.ctx.device.type
-        if "dp_shard" in self.ctx.groups:
-            return DeviceMesh.from_group([self.group("dp_rep"), self.group("dp_shard")], dev,
-                                         mesh=self.ctx.dp_mesh, mesh_dim_names=("dp_rep", "dp_shard"))
-        return DeviceMesh.from_group(self.group("dp"), dev, mesh_dim_names=("dp",))
+        dims = self.ctx.mesh_dims
+        groups = [self.group(d) for d in dims]
+        return DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], self.ctx.device.type,
+                                     mesh=self.ctx.mesh, mesh_dim_names=dims)
+
+    @property
+    def dp_dims(self) -> tuple[str, ...]:
+        return tuple(d for d in self.ctx.mesh_dims if d != "tp")
 
 
 class Job(_Rank):
