@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import tm_slurm                                                         # tm_slurm
@@ -109,6 +110,21 @@ class Llama(nn.Module):
 TP_PLAN = {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(),
            "wo": RowwiseParallel(), "w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
 
+def clip_grad_norm(params, max_norm: float) -> None:
+    """clip_grad_norm_ over parameters on different meshes (with TP: the blocks' on dp x tp, the
+    norms' and embeddings' on dp only), which torch's cannot stack: one norm per mesh, combined."""
+    params = [p for p in params if p.grad is not None]
+    by_mesh: dict = {}
+    for p in params:
+        by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p.grad)
+    norms = [torch.nn.utils.get_total_norm(g) for g in by_mesh.values()]
+    total = torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]).norm()
+    coef = max_norm / (float(total) + 1e-6)
+    if coef < 1:
+        for p in params:
+            p.grad.mul_(coef)
+
+
 job = tm_slurm.init()                                                   # tm_slurm
 mesh = job.mesh()       # tm_slurm: dims (dp_rep, dp_shard) for HSDP, then tp with --tp
 torch.manual_seed(0)
@@ -128,7 +144,7 @@ for step in job.steps(args.steps):                                      # tm_slu
     loss = F.cross_entropy(model(x.to(job.device)).flatten(0, 1), y.to(job.device).flatten())
     opt.zero_grad()
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    clip_grad_norm(model.parameters(), 1.0)
     opt.step()
     if args.sleep:
         time.sleep(args.sleep)

@@ -1,5 +1,6 @@
 """TorchGroup: a torch ProcessGroup that stays the same object while the group under it is
 replaced (docs/design.md §3). Two ranks as threads of this process over real gloo groups."""
+import os
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -37,13 +38,16 @@ def _two_ranks(fn, tmp: Path, timeout=120):
 
 
 def _rank_main(fn, r, port, tmp):
+    # ends with os._exit, as a worker does: interpreter teardown of gloo groups (one with a
+    # peer gone) can abort the process ("Resource deadlock avoided")
     torch.set_num_threads(1)
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
         torch.save(fn(r, store), tmp / f"out{r}.pt")
     except BaseException:
         (tmp / f"err{r}").write_text(traceback.format_exc())
-        raise
+        os._exit(1)
+    os._exit(0)
 
 
 def _group(store, prefix, r, timeout=30.0):
