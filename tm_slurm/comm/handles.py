@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Callable, Iterable
 
@@ -108,11 +109,18 @@ class GroupTable:
                 self._broke(gid, e)
             return done(outs)
 
+        # the callback runs on a backend thread and must not hold the table: were it the last
+        # holder, the table's groups would be destroyed on their own worker thread, which then
+        # joins itself ("Resource deadlock avoided", the process aborts)
+        table = weakref.ref(self)
+
         def settle(f):
             try:
                 f.value()
             except Exception as e:
-                self._broke(gid, e)
+                t = table()
+                if t is not None:
+                    t._broke(gid, e)
             return outs
         return FailThroughWork(fut.then(settle))
 

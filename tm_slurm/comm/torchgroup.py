@@ -157,7 +157,17 @@ for _name in OPS:
 
 
 def _register(pg, ranks: dict[int, int]) -> None:
-    c10d._register_pg_in_world(pg, "tm_slurm", None, pg.group_name, "tm_slurm", rank_mapping=ranks)
+    """What torch's own group creation records (c10d's `_world` tables, the C++ registry the
+    functional collectives resolve names in), written out: the helper that does it in 2.13
+    (`_register_pg_in_world`) is private and absent from older versions."""
+    w, name = c10d._world, pg.group_name
+    w.pg_map[pg] = ("tm_slurm", None)
+    w.pg_names[pg] = name
+    w.pg_backend_config[pg] = "tm_slurm"
+    w.pg_group_ranks[pg] = ranks
+    w.tags_to_pg.setdefault(f"ptd:{name}", []).append(pg)
+    w.pg_to_tag[pg] = f"ptd:{name}"
+    torch._C._distributed_c10d._register_process_group(name, pg)
 
 
 def register(groups: dict[str, TorchGroup], world: WorldGroup) -> None:
