@@ -158,11 +158,10 @@ class GroupTable:
 
 
 class Comm:
-    """Collectives over one group (DP or TP). Size 1: every op is a local no-op. `group` is the
-    same group as a torch ProcessGroup (for DDP and `dist.*` calls)."""
+    """Collectives over one group (DP or TP). Size 1: every op is a local no-op."""
 
-    def __init__(self, table: GroupTable, gid: str | None, size: int, rank: int, group=None):
-        self._table, self.gid, self.size, self.rank, self.group = table, gid, size, rank, group
+    def __init__(self, table: GroupTable, gid: str | None, size: int, rank: int):
+        self._table, self.gid, self.size, self.rank = table, gid, size, rank
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.size > 1:

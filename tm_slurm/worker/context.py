@@ -72,6 +72,6 @@ def make_context(topo: Topology, rank: int, table: GroupTable, device: torch.dev
     return Context(
         rank=rank, world=lay.world, dp_rank=c.dp, dp_size=lay.dp, pp_rank=c.pp, pp_size=lay.pp,
         tp_rank=c.tp, tp_size=lay.tp, role=topo.role(rank).name, device=device,
-        dp=Comm(table, ids.get("dp"), lay.dp, c.dp, groups["dp"]), pp=PipeComm(table, prev_id, next_id),
-        tp=Comm(table, ids.get("tp"), lay.tp, c.tp, groups["tp"]), seed=seed, sandbox=sandbox,
+        dp=Comm(table, ids.get("dp"), lay.dp, c.dp), pp=PipeComm(table, prev_id, next_id),
+        tp=Comm(table, ids.get("tp"), lay.tp, c.tp), seed=seed, sandbox=sandbox,
         groups=groups, mesh=topo.mesh(rank), mesh_dims=topo.mesh_dims())

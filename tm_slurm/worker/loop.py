@@ -25,9 +25,9 @@ from ..data import key
 from ..events import fsync_write
 from ..exits import Exit
 from ..messages import Crashed, SwapPlan
+from ..errors import MisuseError
 from . import checkpoint as ckpt
 from . import lost, promote
-from ..errors import MisuseError
 from .rank import BuildFn, StepFn, Worker, exit_clean, is_link
 from .sandbox import Recorder
 from .state import digest, nbytes, send_state

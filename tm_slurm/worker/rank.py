@@ -104,12 +104,19 @@ class Worker:
         self.report("comm_error", self.step, group=gid, error=f"{type(e).__name__}: {str(e)[:300]}",
                     t=time.time())
 
-    def set_rank(self, rank: int) -> None:
-        self.rank = rank
-        self.ctx = make_context(self.topo, rank, self.table, self.device, self.cfg.seed,
-                                groups=self.torch_groups)
+    def context(self, rank: int, sandbox=None) -> Context:
+        """`rank`'s context, this worker's torch groups bound to its table or to a `sandbox`
+        table (a rehearsal, or a model built before its real groups are installed); the default
+        group, where registered, says `rank` too."""
+        ctx = make_context(self.topo, rank, self.table if sandbox is None else sandbox, self.device,
+                           self.cfg.seed, sandbox=sandbox is not None, groups=self.torch_groups)
         if self.world is not None:
             set_world_rank(self.world, rank)
+        return ctx
+
+    def set_rank(self, rank: int) -> None:
+        self.rank = rank
+        self.ctx = self.context(rank)
 
     # ------------------------------------------------------------ groups
     def build(self, store, builds: list[GroupBuild], joiner: bool = False,

@@ -19,7 +19,7 @@ import torch
 
 from .. import jobdir
 from ..comm.handles import GroupTable, done
-from ..comm.torchgroup import serve_locally, set_rank
+from ..comm.torchgroup import serve_locally
 from ..events import fsync_write
 from ..topology import Coord, Topology
 
@@ -107,7 +107,6 @@ def rehearsal_ranks(topo: Topology, local: int = 0) -> list[int]:
 
 def rehearse(w, build_fn, step_fn, steps: int, wait_standins_s: float = 30.0) -> dict:
     """Run the rehearsals in worker `w` (not yet holding a rank). Returns what was warmed."""
-    from .context import make_context
     # stand-ins are what a stage receives from its neighbour: without PP nothing is received,
     # so nothing is recorded and there is nothing to wait for
     deadline = time.monotonic() + (wait_standins_s if w.topo.layout.pp > 1 else 0.0)
@@ -124,9 +123,7 @@ def rehearse(w, build_fn, step_fn, steps: int, wait_standins_s: float = 30.0) ->
         # (the first role always: a joiner's model has taken steps; DDP settles its buckets in
         # its second, and a joiner that had not would call a collective no one else calls)
         t0 = time.perf_counter()
-        ctx = make_context(w.topo, r, table, w.device, w.cfg.seed, sandbox=True, groups=w.torch_groups)
-        if w.world is not None:
-            set_rank(w.world, r)
+        ctx = w.context(r, sandbox=table)
         state = build_fn(ctx)
         times = []
         for i in range(steps):

@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..comm.torchgroup import TorchGroup, WorldGroup, register, set_rank
+from ..errors import MisuseError
 from . import loop
 from .context import Context
-from ..errors import MisuseError
 from .rank import Worker
 from .state import TrainState
 
