@@ -26,7 +26,8 @@ def test_only_dp0_writes_and_load_round_trips(tmp_path):
     assert ck.save(tmp_path, 10, 1, T, state(0)) is None       # rank 1 is dp 1
     save_all(tmp_path, 10, 0)
     d = ck.step_dir(tmp_path, 10)
-    assert sorted(p.name for p in d.glob("*.pt")) == ["pp0.tp0.pt", "pp1.tp0.pt"]
+    assert sorted(p.name for p in d.iterdir()) == ["pp0.tp0", "pp1.tp0"]
+    assert sorted(p.name for p in (d / "pp0.tp0").iterdir()) == ["__0_0.distcp", ck.INDEX, ck.INDEX_SUM]
     fresh = state(99)
     assert ck.load(d, 3, T, fresh) == 10                      # rank 3: stage 1
     assert digest(fresh) == digest(state(1))
@@ -36,9 +37,9 @@ def test_corrupt_or_partial_checkpoint_is_rejected(tmp_path):
     save_all(tmp_path, 10, 0)
     save_all(tmp_path, 20, 0)
     save_all(tmp_path, 30, 0)
-    p = ck.step_dir(tmp_path, 30) / "pp1.tp0.pt"
+    p = ck.step_dir(tmp_path, 30) / "pp1.tp0" / "__0_0.distcp"
     p.write_bytes(p.read_bytes()[:-7] + b"garbage")               # corrupt
-    (ck.step_dir(tmp_path, 20) / "pp0.tp0.sha256").unlink()       # partial
+    (ck.step_dir(tmp_path, 20) / "pp0.tp0" / ck.INDEX_SUM).unlink()   # partial
     found, rejected = ck.latest_valid(tmp_path, T)
     assert found[0] == 10
     assert [s for s, _ in rejected] == [30, 20] and "pp1.tp0" in rejected[0][1]
@@ -54,3 +55,26 @@ def test_prune_keeps_newest_valid(tmp_path):
 def test_explicit_writer(tmp_path):
     assert ck.save(tmp_path, 5, 1, T, state(0), writer=True) is not None
     assert ck.save(tmp_path, 5, 0, T, state(0), writer=False) is None
+
+
+def test_async_write_and_a_planted_pickle_index(tmp_path):
+    """The background write saves the state as it was when staged; an index that is a pickle
+    (DCP's own format), even with a matching digest, is no checkpoint and is never unpickled."""
+    import hashlib
+    import pickle
+
+    s = state(0)
+    want = digest(s)
+    fut = ck.Writer().submit(tmp_path, 10, 0, Topology(Layout(dp=1, pp=1)), s)
+    with torch.no_grad():                       # training goes on while it writes
+        for p in s.model.parameters():
+            p.add_(1.0)
+    fut.result()
+    one = Topology(Layout(dp=1, pp=1))
+    fresh = state(7)
+    assert ck.load(ck.step_dir(tmp_path, 10), 0, one, fresh) == 10 and digest(fresh) == want
+    sd = ck.step_dir(tmp_path, 10) / "pp0.tp0"
+    evil = pickle.dumps({"step": 10})
+    (sd / ck.INDEX).write_bytes(evil)
+    (sd / ck.INDEX_SUM).write_text(hashlib.sha256(evil).hexdigest())
+    assert ck.latest_valid(tmp_path, one)[0] is None

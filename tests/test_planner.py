@@ -110,3 +110,21 @@ def test_shrink_says_when_the_layout_does_not_allow_it(layout, lost, why):
         assert sp.layout.dp == 2 and dict(sp.slots) == {1: 0}
     else:
         assert isinstance(sp, str) and why in sp
+
+
+def test_hsdp_shrink_drops_the_whole_shard_group_and_keeps_the_shards():
+    # 2 replicas x 2 shards, one rank a node: slot 3 = (dp3) is replica 1, shard 1
+    topo = Topology(Layout(dp=4, dp_shard=2, pp=1))
+    sp = P.plan_shrink(topo, [3])
+    assert sp.layout == Layout(dp=2, dp_shard=2, pp=1) and sp.dropped == (2, 3)
+    assert dict(sp.slots) == {0: 0, 1: 1} and sp.freed == (2,) and not sp.from_checkpoint
+    small = Topology(sp.layout)
+    assert [small.state_key(r) for r in range(2)] == [topo.state_key(r) for r in range(2)]
+
+
+def test_fsdp_shrink_reshards_the_survivors_from_the_checkpoint():
+    topo = Topology(Layout(dp=3, dp_shard=3, pp=1))
+    sp = P.plan_shrink(topo, [1])
+    assert sp.layout == Layout(dp=2, dp_shard=2, pp=1) and sp.from_checkpoint
+    assert dict(sp.slots) == {0: 0, 2: 1} and sp.freed == ()
+    assert P.plan_shrink(Topology(Layout(dp=2, dp_shard=2, pp=1)), [0]).layout == Layout(dp=1, pp=1)

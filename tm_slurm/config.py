@@ -165,10 +165,6 @@ class Config:
         if lay.dp % lay.dp_shard:
             raise ConfigError(f"layout.dp ({lay.dp}) must be a multiple of layout.dp_shard "
                               f"({lay.dp_shard}): each replica of the state is sharded alike")
-        if lay.dp_shard > 1 and self.standby.when_exhausted == "shrink":
-            raise ConfigError("standby.when_exhausted=shrink drops DP replicas, and with "
-                              f"layout.dp_shard={lay.dp_shard} a DP rank holds only a shard of one: "
-                              "use wait or checkpoint_exit")
         if lay.ranks_per_node % lay.tp:
             raise ConfigError(
                 f"layout.ranks_per_node ({lay.ranks_per_node}) must be a multiple of layout.tp "

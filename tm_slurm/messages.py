@@ -263,6 +263,20 @@ class StateManifest:
 
 
 @dataclass(frozen=True)
+class CheckpointIndex:
+    """A checkpoint shard's index, written after its data (worker/checkpoint.py): the layout it was
+    written in, where each tensor's piece lies in the data files (DCP's metadata, as plain values:
+    name -> [global size, dtype, [[offsets, sizes, file, byte offset, length], ...]]), the
+    non-tensor state, and each data file's sha256."""
+    step: int
+    key: str
+    keys: tuple[str, ...]              # every shard of this checkpoint
+    tensors: dict
+    state: StateManifest
+    files: dict                        # file name -> sha256
+
+
+@dataclass(frozen=True)
 class LostState:
     """A surviving rank's sealed note in control/lost/ when the controller is gone (worker/lost.py)."""
     rank: int
@@ -334,8 +348,9 @@ class CommError(Report):
 class CheckpointDone(Report):
     reason: str | None
     path: str | None          # None: this rank wrote no shard (not a writer, or it failed)
-    save_s: float
+    save_s: float             # from the step boundary to the shard on disk
     error: str | None = None  # the write failed (a full disk): nothing of this shard was left
+    stall_s: float | None = None   # of which training waited (a background write: the copy)
 
     KIND: ClassVar[str] = "checkpoint"
 

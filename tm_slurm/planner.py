@@ -135,23 +135,34 @@ class ShrinkPlan:
     """Drop whole DP replicas: `layout` is what remains, `slots` maps each surviving old slot to
     its new one (ranks renumbered as if the job had been started at the smaller size, so its
     data and RNG keys are those of a fresh run of that size), `freed` the old slots of the
-    dropped replicas that are still alive."""
+    dropped replicas that are still alive. `from_checkpoint`: the survivors do not hold the whole
+    state (FSDP without replicas lost a shard): the job resumes from the newest complete
+    checkpoint, resharded to the smaller layout."""
     layout: Layout
     dropped: tuple[int, ...]                 # DP indices
     slots: Mapping[int, int]
     freed: tuple[int, ...]
+    from_checkpoint: bool = False
 
 
 def plan_shrink(topo: Topology, lost_slots: Iterable[int]) -> ShrinkPlan | str:
     """Shrink DP by every replica that lost a slot; a string says why the layout does not allow
-    it (then the caller checkpoints and exits instead)."""
+    it (then the caller checkpoints and exits instead). With layout.dp_shard > 1 a replica is a
+    whole shard group (HSDP: the others keep their shards as they are); FSDP over the whole DP
+    group has one replica, so the DP ranks that are left shard the state among themselves."""
     lay = topo.layout
     lost = set(lost_slots)
-    dropped = sorted({topo.coord(r).dp for s in lost for r in topo.slot_ranks(s)})
-    keep = [d for d in range(lay.dp) if d not in dropped]
+    hit = {topo.coord(r).dp for s in lost for r in topo.slot_ranks(s)}
+    n = lay.dp_shard
+    if 1 < n == lay.dp:
+        keep = [d for d in range(lay.dp) if d not in hit]
+        new = replace(lay, dp=len(keep), dp_shard=max(len(keep), 1))
+    else:
+        keep = [d for d in range(lay.dp) if d // n not in {h // n for h in hit}]
+        new = replace(lay, dp=len(keep))
+    dropped = sorted(set(range(lay.dp)) - set(keep))
     if not keep:
         return f"every DP replica lost a node (dp={lay.dp})"
-    new = replace(lay, dp=len(keep))
     if new.world % new.ranks_per_node:
         return (f"dp={new.dp} x pp={new.pp} x tp={new.tp} does not fill nodes of "
                 f"{new.ranks_per_node} ranks")
@@ -171,7 +182,7 @@ def plan_shrink(topo: Topology, lost_slots: Iterable[int]) -> ShrinkPlan | str:
         if None in new_ranks or tuple(new_ranks) != small.slot_ranks(small.slot_of(new_ranks[0])):
             return f"node slot {s} holds ranks of replicas that are kept and dropped alike"
         slots[s] = small.slot_of(new_ranks[0])
-    return ShrinkPlan(new, tuple(dropped), slots, tuple(freed))
+    return ShrinkPlan(new, tuple(dropped), slots, tuple(freed), from_checkpoint=1 < n == lay.dp)
 
 
 def straggler(busy_by_node: Mapping[str, list[float]], margin: float, window: int) -> tuple[str, float] | None:

@@ -55,6 +55,34 @@ def test_hsdp_with_tensor_parallel_two_ranks_a_node_recovers_a_killed_node(tmp_p
     assert plan["donors"] == {"2": 6, "3": 7}, plan
 
 
+@pytest.mark.parametrize("name, dp_to, dp_shard_to, from_checkpoint", [
+    ("llama", 2, 2, False),      # HSDP 2 x 2: node2 held replica 1 whole; replica 0 goes on as FSDP over 2
+    ("fsdp", 1, 1, True),        # FSDP over 2, no replica: node1 resumes alone from the checkpoint
+], ids=["hsdp", "fsdp"])
+def test_no_standby_shrink_of_a_sharded_job_is_a_fresh_smaller_job(tmp_path, name, dp_to, dp_shard_to,
+                                                                    from_checkpoint):
+    """`when_exhausted: shrink` with sharded state. HSDP drops the shard group that lost a node and
+    the survivors write the last committed state (same shards); FSDP without replicas lost a shard
+    with its node, so the rest resume from the newest checkpoint, resharded by DCP. Either way the
+    result equals a job of the smaller layout started from that checkpoint."""
+    ex = EXAMPLES[name]
+    ran = run_job(tmp_path, f"{ex.active}+0", STEPS, [(25, "kill", "node2")], layout=tuple(ex.args()),
+                  script=ex.script, sets=["standby.count=0", "standby.when_exhausted=shrink", "checkpoint.keep=100"])
+    assert ran.rc == 0, ran.job_dir
+    (planned,) = ran.kinds("shrink_planned")
+    assert (planned["dp_to"], planned["dp_shard"], planned["from_checkpoint"]) == (dp_to, dp_shard_to, from_checkpoint)
+    (rec,) = ran.interruption("unplanned")
+    assert rec["strategy"] == "shrink" and rec["dp_to"] == dp_to, rec
+    # FSDP redoes the steps since the checkpoint at 20; HSDP at most the aborted one
+    assert (rec["lost_steps"] > 1) if from_checkpoint else (rec["lost_steps"] <= 1), rec
+    small = ["--dp", str(dp_to), "--dp-shard", str(dp_shard_to), "--pp", "1",
+             "--ranks-per-node", str(ex.layout.get("ranks_per_node", 1)),
+             "--resume", str(ran.job_dir / "checkpoints" / f"step{rec['resume_step']:08d}")]
+    ref = run_job(tmp_path / "ref", "1+0", STEPS, layout=small, script=ex.script, sets=["standby.count=0"])
+    assert ref.rc == 0, ref.job_dir
+    assert ran.result["digests"] == ref.result["digests"]
+
+
 MISTAKES = {
     "raw-step": "optimizer.step() was called on the optimizer itself",
     "no-step": "step 0 ended without opt.step()",

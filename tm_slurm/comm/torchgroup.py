@@ -10,9 +10,12 @@ next collective, and a group the swap keeps is untouched. Failures fail through
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import MisuseError
 from .handles import FailThroughWork, done
@@ -170,16 +173,33 @@ def _register(pg, ranks: dict[int, int]) -> None:
     torch._C._distributed_c10d._register_process_group(name, pg)
 
 
+_MESHES: weakref.WeakSet = weakref.WeakSet()
+
+
 def register(groups: dict[str, TorchGroup], world: WorldGroup) -> None:
     """Make `groups` torch's registered groups and `world` its default group, once per process;
-    `set_rank` then says which global rank this process holds."""
+    `set_rank` then says which global rank this process holds. Every DeviceMesh made from here on
+    is remembered: a mesh, and each slice of it, caches its rank's coordinate when it is made."""
     _register(world, {i: i for i in range(world.size())})
     c10d._update_default_pg(world)
     for g in groups.values():
         _register(g, {m: i for i, m in enumerate(g.members)})
+    made = DeviceMesh.__init__
+
+    def remembered(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        _MESHES.add(self)
+    DeviceMesh.__init__ = remembered
 
 
 def set_rank(world: WorldGroup, rank: int) -> None:
-    """This process now holds global `rank` (a standby: rehearsed as one, promoted to another)."""
+    """This process now holds global `rank` (a standby: rehearsed as one, promoted to another).
+    Its meshes move with it: a DTensor's place in the global tensor is its mesh coordinate
+    (FSDP2's shard offsets, what a checkpoint records), and a standby built its model as the
+    rank it rehearsed."""
     world.global_rank = rank
     c10d._update_default_pg(world)
+    for m in list(_MESHES):
+        if m._rank != rank:
+            m._rank = rank
+            m._coordinate_on_dim = m._compute_coordinate_on_dim()

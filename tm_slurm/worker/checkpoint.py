@@ -1,29 +1,60 @@
-"""Checkpoints: the fallback when no live replica holds a lost rank's state, and what a time limit
-or a lost controller leaves behind.
+"""Checkpoints: the fallback when no live replica holds a lost rank's state, what a time limit or
+a lost controller leaves behind, and how a shrink changes the job's shape.
 
-Layout: <root>/step<NNNNNNNN>/pp<p>.tp<t>[.dp<s>].pt (+ .sha256), one shard per state key
-(`Topology.state_key`: pipeline stage, tp shard, and with layout.dp_shard > 1 the position in the
-DP shard group), written by one replica of it (replica 0 unless told otherwise; the replicas
-hold identical state). Each file is written to a temporary name, fsynced and renamed, its digest
-written after it; a checkpoint is valid only if every shard is present and matches its digest,
-so a partial or corrupt one is detected and an older one used.
+Layout: <root>/step<NNNNNNNN>/<key>/ for each state key (`Topology.state_key`: pipeline stage, tp
+shard, and with layout.dp_shard > 1 the position in the DP shard group), written by one replica of
+it (replica 0 unless told otherwise; the replicas hold identical state) with
+torch.distributed.checkpoint (DCP) and no collectives (`no_dist`: a shard is one rank's write,
+whatever state the job's groups are in):
+  __0_0.distcp   DCP's data file (each tensor torch.save'd; read back weights_only)
+  index.json     a `CheckpointIndex`: DCP's metadata for this shard (each tensor's global shape and
+                 the piece held here), the non-tensor state, each data file's sha256
+  index.sha256   the index's digest, written last
+DCP's own metadata file is a pickle and is never written: the index is the control plane's JSON
+codec, so nothing read back from the job's directory is unpickled. A checkpoint is valid only if
+every shard of the layout it was written in is present and matches its digests, so a partial or
+corrupt one is detected and an older one used.
+
+Loading merges the indexes of every shard of the rank's pipeline stage into one DCP metadata and
+lets DCP's planner read each sharded tensor's part (a DTensor: FSDP2, HSDP, TP) from whichever
+shards hold its pieces: a rank reads its shard whatever DP shard layout wrote it, which is how a
+shrink reshards. Plain tensors come from the rank's own key, or when the layout no longer has that
+key, from the same tp shard's lowest DP position (plain tensors are the same on every position).
+
+Periodic checkpoints are asynchronous: the state is copied at the step boundary (`stage`) and
+written by a thread while training goes on (`Writer`); one is in flight at most.
 """
 from __future__ import annotations
 
 import hashlib
-import io
 import re
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
 
 from .. import jobdir
+from ..control import codec
 from ..events import fsync_write
+from ..messages import CheckpointIndex
 from ..topology import Topology
+from . import state as st
 from .state import TrainState
 
 _STEP = re.compile(r"^step(\d{8})$")
+_KEY = re.compile(r"^pp(\d+)\.tp(\d+)(?:\.dp(\d+))?$")
+INDEX, INDEX_SUM = "index.json", "index.sha256"
+_MAX_INDEX = 64 << 20            # an index is names and numbers: anything bigger is not one of ours
 
 
 def root(cfg, job_dir: Path) -> Path:
@@ -42,43 +73,186 @@ def shards(topo: Topology) -> list[str]:
     return sorted({shard_name(topo, r) for r in range(topo.world)})
 
 
-def save(root_: Path, step: int, rank: int, topo: Topology, state: TrainState,
-         writer: bool | None = None) -> Path | None:
-    """Write this rank's shard of the state at the start of `step`. By default replica 0 writes;
-    `writer` overrides that (None: not written here)."""
-    if not (topo.replica_index(rank) == 0 if writer is None else writer):
-        return None
-    d = step_dir(root_, step)
-    jobdir.private_dir(d)
-    payload = {"step": step, "rank": rank, "model": state.model.state_dict(),
-               "optimizer": state.optimizer.state_dict() if state.optimizer else None,
-               "scheduler": state.scheduler.state_dict() if state.scheduler else None,
-               "extra": state.extra}
-    buf = io.BytesIO()
-    torch.save(payload, buf)
-    data = buf.getvalue()
-    name = shard_name(topo, rank)
+def _parts(key: str) -> tuple[int, int, int]:
+    m = _KEY.match(key)
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+# ---------------------------------------------------------------- writing
+
+@dataclass
+class Staged:
+    """A shard's state at a step boundary, ready to be written: each tensor's local piece (a copy
+    when the write is asynchronous) with its place in the global tensor."""
+    step: int
+    key: str
+    keys: tuple[str, ...]
+    pieces: list[tuple[str, torch.Tensor, torch.Size, torch.Size]]   # name, local, global size, offsets
+    plain: object                                                     # StateManifest
+
+
+def stage(state: TrainState, step: int, key: str, keys: list[str], copy: bool) -> Staged:
+    pieces = []
+    for n, t in st.named(state):
+        if isinstance(t, DTensor):
+            (chunk,) = t.__create_chunk_list__()        # DCP's protocol: this rank's piece of it
+            local, off = t.to_local(), chunk.offsets
+        else:
+            local, off = t, torch.Size([0] * t.dim())
+        local = local.detach()
+        local = local.to("cpu", copy=True) if copy else local.cpu()
+        pieces.append((n, local.contiguous(), torch.Size(t.shape), torch.Size(off)))
+    return Staged(step, key, tuple(keys), pieces, st.manifest(state, step))
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """Plans from a `Staged` shard: the write never touches the live state (it may be training)."""
+
+    def __init__(self, staged: Staged):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.staged = staged
+        self.data = {n: t for n, t, _, _ in staged.pieces}
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        self.state_dict, self.is_coordinator = {}, is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = [WriteItem(MetadataIndex(n, off), WriteItemType.SHARD,
+                           tensor_data=TensorWriteData(ChunkStorageMetadata(off, t.shape),
+                                                       TensorProperties(dtype=t.dtype), size))
+                 for n, t, size, off in self.staged.pieces]
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, item: WriteItem) -> torch.Tensor:
+        return self.data[item.index.fqn]
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file writer, keeping the metadata for the index instead of pickling it."""
+
+    def __init__(self, d: Path):
+        super().__init__(d, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+        self.metadata: Metadata | None = None
+        self.results: list = []
+
+    def finish(self, metadata: Metadata, results) -> None:
+        self.metadata, self.results = metadata, [wr for rs in results for wr in rs]
+
+
+def _dcp(fn, what: str, *args, **kwargs):
+    """Call DCP, turning its CheckpointException (a BaseException: it would pass every `except
+    Exception` of the worker) back into what went wrong: an OSError (a full disk) stays one."""
     try:
-        fsync_write(d / f"{name}.pt", data)
-        fsync_write(d / f"{name}.sha256", hashlib.sha256(data).hexdigest().encode())
-    except OSError:
-        for f in (d / f"{name}.pt", d / f"{name}.sha256"):     # no half of a shard left behind
-            f.unlink(missing_ok=True)
+        return fn(*args, **kwargs)
+    except CheckpointException as e:
+        exc = next((x for x, _ in e.failures.values()), None)
+        if isinstance(exc, OSError):
+            raise OSError(exc.errno, f"{what}: {exc.strerror or exc}") from None
+        raise RuntimeError(f"{what}: {type(exc).__name__}: {exc}") from None
+
+
+def _sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write(root_: Path, s: Staged) -> Path:
+    """Write a staged shard; on failure (a full disk) nothing of it is left behind."""
+    d = step_dir(root_, s.step)
+    jobdir.private_dir(d)
+    sd = d / s.key
+    shutil.rmtree(sd, ignore_errors=True)            # an earlier attempt's leftovers
+    jobdir.private_dir(sd)
+    try:
+        w = _Writer(sd)
+        _dcp(dcp.save, f"writing checkpoint shard {sd}", {}, storage_writer=w, planner=_SavePlanner(s),
+             no_dist=True)
+        tensors: dict[str, list] = {}
+        for n, _, size, _ in s.pieces:
+            tensors[n] = [list(size), str(w.metadata.state_dict_metadata[n].properties.dtype), []]
+        for wr in w.results:
+            info = wr.storage_data
+            if info.transform_descriptors:
+                raise ValueError(f"unexpected DCP transforms {info.transform_descriptors}")
+            meta = w.metadata.state_dict_metadata[wr.index.fqn]
+            sizes = next(c.sizes for c in meta.chunks if c.offsets == wr.index.offset)
+            tensors[wr.index.fqn][2].append([list(wr.index.offset), list(sizes), info.relative_path,
+                                             info.offset, info.length])
+        files = {f: _sha(sd / f) for f in sorted({wr.storage_data.relative_path for wr in w.results})}
+        data = codec.dumps(CheckpointIndex(s.step, s.key, s.keys, tensors, s.plain, files))
+        fsync_write(sd / INDEX, data)
+        fsync_write(sd / INDEX_SUM, hashlib.sha256(data).hexdigest().encode())
+    except BaseException:
+        shutil.rmtree(sd, ignore_errors=True)
         raise
     return d
 
 
-def _verified(path: Path) -> bytes | None:
-    try:
-        data = path.read_bytes()
-        want = path.with_suffix(".sha256").read_text().strip()
-    except OSError:
+def save(root_: Path, step: int, rank: int, topo: Topology, state: TrainState,
+         writer: bool | None = None) -> Path | None:
+    """Write this rank's shard of the state at the start of `step`, now. By default replica 0
+    writes; `writer` overrides that (None: not written here)."""
+    if not (topo.replica_index(rank) == 0 if writer is None else writer):
         return None
-    return data if hashlib.sha256(data).hexdigest() == want else None
+    return write(root_, stage(state, step, shard_name(topo, rank), shards(topo), copy=False))
+
+
+class Writer:
+    """Asynchronous shard writes, one at a time, on a thread of their own."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tm-ckpt")
+
+    def submit(self, root_: Path, step: int, rank: int, topo: Topology, state: TrainState) -> Future | None:
+        """Copy the shard now (replica 0 only) and write it in the background; None: not a writer."""
+        if topo.replica_index(rank) != 0:
+            return None
+        return self._pool.submit(write, root_, stage(state, step, shard_name(topo, rank), shards(topo), copy=True))
+
+
+# ---------------------------------------------------------------- reading
+
+def _index(sd: Path) -> CheckpointIndex | None:
+    """A shard's verified index (its data files' digests checked too); None if anything is off."""
+    try:
+        data = (sd / INDEX).read_bytes()[:_MAX_INDEX + 1]
+        if len(data) > _MAX_INDEX or hashlib.sha256(data).hexdigest() != (sd / INDEX_SUM).read_text().strip():
+            return None
+        ix = codec.loads(data)
+        if not isinstance(ix, CheckpointIndex) or ix.key != sd.name:
+            return None
+        for f, want in ix.files.items():
+            if "/" in f or f.startswith(".") or _sha(sd / f) != want:
+                return None
+    except (OSError, ValueError, TypeError):
+        return None
+    return ix
+
+
+def _indexes(d: Path) -> dict[str, CheckpointIndex | None]:
+    return {p.name: _index(p) for p in Path(d).iterdir() if p.is_dir() and _KEY.match(p.name)}
 
 
 def bad_shards(d: Path, topo: Topology) -> list[str]:
-    return [s for s in shards(topo) if _verified(Path(d) / f"{s}.pt") is None]
+    """Shards of the checkpoint in `d` that are missing or do not match their digests, for the
+    layout it was written in; or why this job (`topo`) cannot load it at all."""
+    found = _indexes(d)
+    good = {k: ix for k, ix in found.items() if ix is not None}
+    layouts = {ix.keys for ix in good.values()}
+    if len(layouts) > 1:
+        return sorted(good)
+    expected = next(iter(layouts)) if layouts else tuple(shards(topo))
+    bad = [k for k in expected if k not in good]
+    if not bad:
+        theirs = {_parts(k)[:2] for k in expected}
+        if theirs != {_parts(k)[:2] for k in shards(topo)}:
+            return [f"written with pipeline/tensor shards {sorted(theirs)}, this job has "
+                    f"{sorted({_parts(k)[:2] for k in shards(topo)})}"]
+    return bad
 
 
 def candidates(root_: Path) -> list[tuple[int, Path]]:
@@ -110,20 +284,66 @@ def prune(root_: Path, topo: Topology, keep: int) -> list[int]:
     return [s for s, _ in valid[keep:]]
 
 
+class _Reader(FileSystemReader):
+    """DCP's file reader over a metadata merged from shard indexes (never a pickled one)."""
+
+    def __init__(self, d: Path, metadata: Metadata):
+        super().__init__(d)
+        self._metadata = metadata
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        return self._metadata
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def load_bytes(self, read_item, value) -> None:
+        raise ValueError(f"checkpoint entry {read_item.dest_index.fqn} is not a tensor")
+
+
+def _merge(order: list[CheckpointIndex]) -> Metadata:
+    """One DCP metadata over several shards: each tensor's pieces from all of them, the first
+    shard in `order` winning where pieces coincide or a plain tensor's shape differs."""
+    md, storage = {}, {}
+    for ix in order:
+        for n, (size, dtype, chunks) in ix.tensors.items():
+            size = torch.Size(size)
+            cur = md.get(n)
+            if cur is None:
+                cur = md[n] = TensorStorageMetadata(TensorProperties(dtype=st._dtype(dtype)), size, [])
+            elif cur.size != size:
+                continue
+            for off, sizes, f, offset, length in chunks:
+                i = MetadataIndex(n, torch.Size(off))
+                if i in storage:
+                    continue
+                cur.chunks.append(ChunkStorageMetadata(torch.Size(off), torch.Size(sizes)))
+                storage[i] = _StorageInfo(f"{ix.key}/{f}", int(offset), int(length))
+    return Metadata(md, storage_data=storage)
+
+
 def load(d: Path, rank: int, topo: Topology, state: TrainState) -> int:
-    """Load `rank`'s shard from checkpoint directory `d` (verified); returns the step to resume at."""
-    path = Path(d) / f"{shard_name(topo, rank)}.pt"
-    data = _verified(path)
-    if data is None:
-        raise RuntimeError(f"checkpoint shard {path} is missing or does not match its digest")
-    # weights_only: a checkpoint is data; torch's restricted unpickler builds tensors and plain
-    # containers only, so a planted file cannot run code as the job's user
-    obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-    state.model.load_state_dict(obj["model"])
-    if state.optimizer is not None and obj["optimizer"] is not None:
-        state.optimizer.load_state_dict(obj["optimizer"])
-    if state.scheduler is not None and obj["scheduler"] is not None:
-        state.scheduler.load_state_dict(obj["scheduler"])
-    state.extra.clear()
-    state.extra.update(obj["extra"])
-    return int(obj["step"])
+    """Load `rank`'s part of the checkpoint in `d` (verified), resharded to this job's layout if it
+    was written in another; returns the step to resume at."""
+    key = shard_name(topo, rank)
+    pp, tp, pos = _parts(key)
+    found = {k: ix for k, ix in _indexes(d).items() if _parts(k)[0] == pp}
+    if bad_shards(d, topo) or not found:
+        raise RuntimeError(f"checkpoint {d} is incomplete, corrupt or of another layout: "
+                           f"{bad_shards(d, topo) or [key]}")
+    order = sorted(found.values(), key=lambda ix: (ix.key != key, _parts(ix.key)[1] != tp, _parts(ix.key)[2]))
+    md = _merge(order)
+    st.allocate(state, {n: (tuple(m.size), str(m.properties.dtype))
+                        for n, m in md.state_dict_metadata.items()}, local=False)
+    target = dict(st.named(state))
+    shapes = {n: tuple(t.shape) for n, t in target.items()}
+    saved = {n: tuple(m.size) for n, m in md.state_dict_metadata.items()}
+    if shapes != saved:
+        diff = sorted(set(shapes.items()) ^ set(saved.items()))[:5]
+        raise RuntimeError(f"checkpoint {d} does not match this rank's state (name, global shape): {diff}")
+    _dcp(dcp.load, f"reading checkpoint {d}", target, storage_reader=_Reader(d, md), planner=_LoadPlanner(),
+         no_dist=True)
+    st.apply_plain(state, order[0].state)
+    return order[0].step

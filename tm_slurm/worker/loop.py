@@ -124,9 +124,10 @@ def _vote(w: Worker, voter: ThreadPoolExecutor, step: int) -> votes.Decision:
 def _boundary(w: Worker, next_step: int, d: votes.Decision) -> None:
     """Between two committed steps: periodic checkpoint, planned switch, requested checkpoint
     (all ranks act at the same boundary: it is part of the commit decision)."""
+    w.checkpoint_done(wait=False)
     every = w.cfg.checkpoint.every_steps
     if every and next_step % every == 0:
-        w.checkpoint(next_step, "periodic")
+        w.checkpoint(next_step, "periodic", background=True)
     if d.switch is not None:
         _switch(w, w.inbox.plans[d.switch], next_step)
     if d.checkpoint:
@@ -146,6 +147,7 @@ def _switch(w: Worker, plan: SwapPlan, next_step: int) -> None:
         link = next(g for g in built.values() if is_link(g))
         info = send_state(link.pg, w.state, next_step, w.transfer_sealer(), peer=1)
         w.report("left", next_step, plan=plan.id, **info)
+        w.checkpoint_done(wait=True)     # a shard being written is still the job's
         # nobody else deletes this rank's last vote keys: off the stayers' path, they are going on;
         # a store that fails now costs only the keys, never the leaver's clean exit
         try:
@@ -162,6 +164,7 @@ def _switch(w: Worker, plan: SwapPlan, next_step: int) -> None:
 
 
 def _finish(w: Worker, step: int) -> None:
+    w.checkpoint_done(wait=True)
     dg = digest(w.state)
     out = w.job_dir / "final"
     fsync_write(jobdir.private_dir(out) / f"rank{w.rank}.sha256", (dg + "\n").encode())

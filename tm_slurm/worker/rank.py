@@ -73,6 +73,8 @@ class Worker:
         self.world: WorldGroup | None = None             # the default group, where registered
         self.total_steps: int | None = None
         self.reaper = Reaper()
+        self.ckpt_writer = ckpt.Writer()
+        self._ckpt = None                # the background checkpoint write in flight
         self.prepared: dict[int, dict[str, Group]] = {}
         self.state: TrainState | None = None
         self.ctx: Context | None = None
@@ -190,19 +192,39 @@ class Worker:
             st.scheduler.step()
         self.committed = step
 
-    def checkpoint(self, next_step: int, reason: str, writer: bool | None = None) -> None:
-        """Write this rank's shard; a write that fails (a full disk) is reported, not raised: the
-        rank trains on and the previous checkpoint stays the valid one."""
+    def checkpoint(self, next_step: int, reason: str, writer: bool | None = None,
+                   background: bool = False) -> None:
+        """Write this rank's shard, now or (`background`, replica 0's periodic ones) from a copy
+        on a thread while training goes on. A write that fails (a full disk) is reported, not
+        raised: the rank trains on and the previous checkpoint stays the valid one."""
+        self.checkpoint_done(wait=True)          # one in flight at most
         t0 = time.perf_counter()
+        root = ckpt.root(self.cfg, self.job_dir)
+        if background and writer is None:
+            fut = self.ckpt_writer.submit(root, next_step, self.rank, self.topo, self.state)
+            if fut is not None:
+                self._ckpt = (next_step, reason, t0, time.perf_counter() - t0, fut)
+                return
         try:
-            path = ckpt.save(ckpt.root(self.cfg, self.job_dir), next_step, self.rank, self.topo,
-                             self.state, writer=writer)
+            path = ckpt.save(root, next_step, self.rank, self.topo, self.state, writer=writer)
         except OSError as e:
             self.report("checkpoint", next_step, reason=reason, path=None,
                         save_s=time.perf_counter() - t0, error=f"{type(e).__name__}: {e}"[:300])
             return
         self.report("checkpoint", next_step, reason=reason, path=str(path) if path else None,
                     save_s=time.perf_counter() - t0)
+
+    def checkpoint_done(self, wait: bool) -> None:
+        """Report the background write once it has ended (`wait`: block until it has)."""
+        if self._ckpt is None or not (wait or self._ckpt[-1].done()):
+            return
+        (step, reason, t0, stall, fut), self._ckpt = self._ckpt, None
+        try:
+            path, error = str(fut.result()), None
+        except OSError as e:
+            path, error = None, f"{type(e).__name__}: {e}"[:300]
+        self.report("checkpoint", step, reason=reason, path=path, save_s=time.perf_counter() - t0,
+                    error=error, stall_s=stall)
 
 
 def exit_clean(code: int = 0) -> None:

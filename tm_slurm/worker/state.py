@@ -34,8 +34,9 @@ def _opt_params(opt: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
-def tensors(state: TrainState) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor of the state in a canonical order (the same on sender and receiver)."""
+def named(state: TrainState) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of the state in a canonical order (the same on sender and receiver), sharded
+    ones (FSDP2's DTensors) as they are: what a checkpoint saves with their global shapes."""
     out = [(f"model.{k}", v) for k, v in state.model.state_dict(keep_vars=True).items()
            if isinstance(v, torch.Tensor)]
     if state.optimizer is not None:
@@ -44,7 +45,12 @@ def tensors(state: TrainState) -> list[tuple[str, torch.Tensor]]:
             for k in sorted(st):
                 if isinstance(st[k], torch.Tensor):
                     out.append((f"opt.{i}.{k}", st[k]))
-    return [(n, _local(t.data if isinstance(t, torch.nn.Parameter) else t)) for n, t in out]
+    return [(n, t.data if isinstance(t, torch.nn.Parameter) else t) for n, t in out]
+
+
+def tensors(state: TrainState) -> list[tuple[str, torch.Tensor]]:
+    """`named`, each as this rank's local tensor: what moves, and what a digest covers."""
+    return [(n, _local(t)) for n, t in named(state)]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -72,32 +78,50 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
 
 
-def apply_manifest(state: TrainState, m: StateManifest) -> list[torch.Tensor]:
-    """Make `state` structurally equal to the sender's and return the tensors to receive into,
-    in canonical order. Existing tensors of the right shape are reused (no allocation)."""
+def allocate(state: TrainState, wanted: dict[str, tuple[tuple[int, ...], str]], local: bool) -> None:
+    """Give the optimizer a tensor for each `opt.<i>.<key>` in `wanted` (name -> shape, dtype),
+    keeping those of the right shape and dropping any other. Shapes are local ones (`local`: a transfer's manifest) or
+    global ones (a checkpoint, whose layout may differ); a parameter's state of its shape is
+    sharded as the parameter (FSDP2)."""
+    opt = state.optimizer
+    if opt is None:
+        return
+    for i, p in enumerate(_opt_params(opt)):
+        st = opt.state.setdefault(p, {})
+        for k in [k for k, v in st.items() if isinstance(v, torch.Tensor) and f"opt.{i}.{k}" not in wanted]:
+            del st[k]                    # not in the state being taken over
+        own = tuple((_local(p) if local else p).shape)
+        for n in [n for n in wanted if n.startswith(f"opt.{i}.")]:
+            k, (shape, dt) = n.split(".", 2)[2], wanted[n]
+            cur = st.get(k)
+            cur = (_local(cur) if local else cur) if isinstance(cur, torch.Tensor) else None
+            if cur is not None and tuple(cur.shape) == tuple(shape) and str(cur.dtype) == dt:
+                continue
+            if isinstance(p, DTensor) and tuple(shape) == own:
+                st[k] = torch.zeros_like(p, dtype=_dtype(dt))
+            else:
+                st[k] = torch.empty(tuple(shape), dtype=_dtype(dt), device=_local(p).device)
+
+
+def apply_plain(state: TrainState, m: StateManifest) -> None:
+    """The non-tensor state: optimizer hyper-parameters and per-parameter values, scheduler, extra."""
     opt = state.optimizer
     if opt is not None:
-        params = _opt_params(opt)
         for g, saved in zip(opt.param_groups, m.param_groups):
             g.update(saved)
-        by_name = {n: (shape, dt) for n, shape, dt in m.tensors}
-        for i, p in enumerate(params):
-            st = opt.state.setdefault(p, {})
-            keys = {n.split(".", 2)[2] for n in by_name if n.startswith(f"opt.{i}.")}
-            for k in keys:
-                shape, dt = by_name[f"opt.{i}.{k}"]
-                cur = st.get(k)
-                cur = _local(cur) if isinstance(cur, torch.Tensor) else None
-                if not (cur is not None and tuple(cur.shape) == shape and str(cur.dtype) == dt):
-                    if isinstance(p, DTensor) and shape == tuple(p.to_local().shape):
-                        st[k] = torch.zeros_like(p, dtype=_dtype(dt))   # sharded as its parameter
-                    else:
-                        st[k] = torch.empty(shape, dtype=_dtype(dt), device=p.device)
-            st.update(m.opt_scalars.get(i, {}))
+        for i, p in enumerate(_opt_params(opt)):
+            opt.state.setdefault(p, {}).update(m.opt_scalars.get(i, {}))
     if state.scheduler is not None and m.scheduler is not None:
         state.scheduler.load_state_dict(m.scheduler)
     state.extra.clear()
     state.extra.update(m.extra)
+
+
+def apply_manifest(state: TrainState, m: StateManifest) -> list[torch.Tensor]:
+    """Make `state` structurally equal to the sender's and return the tensors to receive into,
+    in canonical order. Existing tensors of the right shape are reused (no allocation)."""
+    allocate(state, {n: (tuple(shape), dt) for n, shape, dt in m.tensors}, local=True)
+    apply_plain(state, m)
     mine = tensors(state)
     theirs = [(n, tuple(shape), dt) for n, shape, dt in m.tensors]
     if [(n, tuple(t.shape), str(t.dtype)) for n, t in mine] != theirs:

@@ -7,7 +7,9 @@ or failed node's slot, cold.
 
 The same machinery shrinks the job (`standby.when_exhausted: shrink`, no standby for a lost slot):
 the survivors write the last committed state, every worker exits, and the job starts again in place
-with the DP replicas that lost a node dropped (their surviving nodes become standbys).
+with the DP replicas that lost a node dropped (their surviving nodes become standbys). FSDP without
+replicas (layout.dp_shard == dp) lost a shard with its node: every worker is stopped and the
+remaining DP ranks resume from the newest complete checkpoint, resharded among them.
 
 checkpointing (planned, shrink): the checkpoint is pending; workers write it and exit.
 stopping:  every worker is being killed (after a failure).
@@ -91,8 +93,14 @@ class FullRestart(Episode):
             sp = self.shrink
             self.exit_step = self.aborted_step
             p.log.emit("shrink_planned", step=self.aborted_step, reason=self.reason, dp_from=self.dp_from,
-                  dp_to=sp.layout.dp, dropped_replicas=list(sp.dropped), writers=self.writers,
+                  dp_to=sp.layout.dp, dp_shard=sp.layout.dp_shard, dropped_replicas=list(sp.dropped),
+                  writers=[] if sp.from_checkpoint else self.writers, from_checkpoint=sp.from_checkpoint,
                   freed=[n for n, x in p.nodes.nodes.items() if x.slot in sp.freed])
+            if sp.from_checkpoint:       # a shard is gone with its only holder: stop, reshard
+                for n in self._slot_nodes():
+                    p.send(n, Fence(p.gen, "shrink: resume from the checkpoint, resharded"))
+                self.to(S.STOPPING)
+                return
             p.broadcast(ToWorkers(WriteCheckpoint(self.gen_aborted, self.aborted_step, tuple(self.writers),
                                                   f"shrink: {self.reason}")))
             self.to(S.CHECKPOINTING)
