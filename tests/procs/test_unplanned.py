@@ -68,7 +68,7 @@ def _corrupt_newest_and_kill_node2(job_dir):
     # between the corruption and its death: the one corrupted here is the newest valid one
     inject(job_dir, "node2", "hang")
     (step, d), _ = ckpt.latest_valid(job_dir / "checkpoints", Topology(Layout(dp=1, pp=2)))
-    p = d / "pp1.tp0.pt"
+    p = d / "pp1.tp0" / "__0_0.distcp"
     p.write_bytes(p.read_bytes()[:-16] + bytes(16))
     fail(job_dir, "node2", "kill")
 

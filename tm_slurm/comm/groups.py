@@ -42,14 +42,25 @@ class Group:
     def size(self) -> int:
         return len(self.members)
 
-    def abort(self) -> None:
-        """NCCL: abort outstanding work so nothing waits on a dead peer. Gloo has no working abort
-        for a blocked op (a hung peer is fenced by killing it instead); dropping it is enough."""
-        if self.kind == "nccl":
+
+def abort_together(groups: list[Group]) -> None:
+    """NCCL: abort every communicator of `groups` so nothing waits on a dead peer, all inside one
+    ncclGroupStart/End: aborts one after another can deadlock each other (torch aborts all its
+    groups the same way, pytorch#119797). Gloo has no working abort for a blocked op (a hung peer
+    is fenced by killing it instead); dropping it is enough."""
+    nccl = [g for g in groups if g.kind == "nccl"]
+    if not nccl:
+        return
+    lead = nccl[0].backend
+    lead._group_start()
+    try:
+        for g in nccl:
             try:
-                self.backend.abort()
+                g.backend.abort()
             except Exception:
                 pass
+    finally:
+        lead._group_end()
 
 
 def _gloo(store, build: GroupBuild, grank: int, timeout: float, threads: int, iface: str):
@@ -142,6 +153,8 @@ class Reaper:
                 while not self._items:
                     self._cv.wait()
                 items, self._items = self._items, []
-            for g in items:
-                g.abort()
-            del items, g
+            try:
+                abort_together(items)
+            except Exception:
+                pass
+            del items

@@ -138,6 +138,8 @@ def rehearse(w, build_fn, step_fn, steps: int, wait_standins_s: float = 30.0) ->
                                      "step_s": [round(x, 3) for x in times]}
         parked = (ctx.role, state)
     report["ops_served_locally"] = table.ops
+    if w.device.type == "cuda":        # what a standby parked on the GPU holds there
+        report["cuda_reserved_mb"] = round(torch.cuda.memory_reserved(w.device) / 2**20, 1)
     report["recorded_served"] = table.served_recorded
     w.parked = parked
     return report
