@@ -41,14 +41,18 @@ def test_stock_loop_drain_then_kill_is_bit_identical(tmp_path, reference, name, 
     assert warm and all(e["warm"] and e["sandbox"]["ops_served_locally"] > 0 for e in warm), warm
 
 
-def test_hsdp_with_tensor_parallel_two_ranks_a_node_recovers_a_killed_node(tmp_path, reference):
-    # 2 replicas x 2 shards x TP 2 = 8 ranks, a node holds one TP pair: node2 holds ranks 2, 3
-    # (replica 0, shard 1); both come back from ranks 6, 7 (replica 1, shard 1)
+def test_hsdp_with_tensor_parallel_two_ranks_a_node_drains_and_recovers_a_killed_node(tmp_path, reference):
+    # 2 replicas x 2 shards x TP 2 = 8 ranks, a node holds one TP pair. node1 (ranks 0, 1) is
+    # drained: both TP ranks move at once. Then node2 (ranks 2, 3: replica 0, shard 1) is killed:
+    # both come back from ranks 6, 7 (replica 1, shard 1)
     ex = EXAMPLES["llama"]
     layout = ("--dp", "4", "--dp-shard", "2", "--tp", "2", "--ranks-per-node", "2", "--pp", "1")
-    ran = run_job(tmp_path, "4+1", 60, [(10, "kill", "node2")], layout=layout, script=ex.script)
+    ran = run_job(tmp_path, "4+2", 60, [(8, "drain", "node1"), ("swap_complete", "kill", "node2")],
+                  layout=layout, script=ex.script)
     assert ran.rc == 0, ran.job_dir
     assert ran.result["digests"] == reference(60, layout, active=4, script=ex.script)
+    (swap,) = ran.interruption("planned")
+    assert swap["node"] == "node1", swap
     (rec,) = ran.interruption("unplanned")
     assert rec["node"] == "node2" and rec["fallback"] is None, rec
     (plan,) = ran.kinds("recovery_planned")
