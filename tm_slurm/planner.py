@@ -154,11 +154,13 @@ def plan_shrink(topo: Topology, lost_slots: Iterable[int]) -> ShrinkPlan | str:
     lost = set(lost_slots)
     hit = {topo.coord(r).dp for s in lost for r in topo.slot_ranks(s)}
     n = lay.dp_shard
-    if 1 < n == lay.dp:
+    unreplicated = 1 < n == lay.dp         # FSDP over the whole DP group: one replica
+    if unreplicated:
         keep = [d for d in range(lay.dp) if d not in hit]
         new = replace(lay, dp=len(keep), dp_shard=max(len(keep), 1))
     else:
-        keep = [d for d in range(lay.dp) if d // n not in {h // n for h in hit}]
+        groups_hit = {h // n for h in hit}
+        keep = [d for d in range(lay.dp) if d // n not in groups_hit]
         new = replace(lay, dp=len(keep))
     dropped = sorted(set(range(lay.dp)) - set(keep))
     if not keep:
@@ -182,7 +184,7 @@ def plan_shrink(topo: Topology, lost_slots: Iterable[int]) -> ShrinkPlan | str:
         if None in new_ranks or tuple(new_ranks) != small.slot_ranks(small.slot_of(new_ranks[0])):
             return f"node slot {s} holds ranks of replicas that are kept and dropped alike"
         slots[s] = small.slot_of(new_ranks[0])
-    return ShrinkPlan(new, tuple(dropped), slots, tuple(freed), from_checkpoint=1 < n == lay.dp)
+    return ShrinkPlan(new, tuple(dropped), slots, tuple(freed), from_checkpoint=unreplicated)
 
 
 def straggler(busy_by_node: Mapping[str, list[float]], margin: float, window: int) -> tuple[str, float] | None:

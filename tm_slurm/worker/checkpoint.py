@@ -196,9 +196,15 @@ def save(root_: Path, step: int, rank: int, topo: Topology, state: TrainState,
          writer: bool | None = None) -> Path | None:
     """Write this rank's shard of the state at the start of `step`, now. By default replica 0
     writes; `writer` overrides that (None: not written here)."""
+    s = _staged(state, step, rank, topo, writer, copy=False)
+    return write(root_, s) if s is not None else None
+
+
+def _staged(state: TrainState, step: int, rank: int, topo: Topology, writer: bool | None,
+            copy: bool) -> Staged | None:
     if not (topo.replica_index(rank) == 0 if writer is None else writer):
         return None
-    return write(root_, stage(state, step, shard_name(topo, rank), shards(topo), copy=False))
+    return stage(state, step, shard_name(topo, rank), shards(topo), copy)
 
 
 class Writer:
@@ -209,9 +215,8 @@ class Writer:
 
     def submit(self, root_: Path, step: int, rank: int, topo: Topology, state: TrainState) -> Future | None:
         """Copy the shard now (replica 0 only) and write it in the background; None: not a writer."""
-        if topo.replica_index(rank) != 0:
-            return None
-        return self._pool.submit(write, root_, stage(state, step, shard_name(topo, rank), shards(topo), copy=True))
+        s = _staged(state, step, rank, topo, None, copy=True)
+        return self._pool.submit(write, root_, s) if s is not None else None
 
 
 # ---------------------------------------------------------------- reading
@@ -240,7 +245,10 @@ def _indexes(d: Path) -> dict[str, CheckpointIndex | None]:
 def bad_shards(d: Path, topo: Topology) -> list[str]:
     """Shards of the checkpoint in `d` that are missing or do not match their digests, for the
     layout it was written in; or why this job (`topo`) cannot load it at all."""
-    found = _indexes(d)
+    return _bad(_indexes(d), topo)
+
+
+def _bad(found: dict[str, CheckpointIndex | None], topo: Topology) -> list[str]:
     good = {k: ix for k, ix in found.items() if ix is not None}
     layouts = {ix.keys for ix in good.values()}
     if len(layouts) > 1:
@@ -329,10 +337,11 @@ def load(d: Path, rank: int, topo: Topology, state: TrainState) -> int:
     was written in another; returns the step to resume at."""
     key = shard_name(topo, rank)
     pp, tp, pos = _parts(key)
-    found = {k: ix for k, ix in _indexes(d).items() if _parts(k)[0] == pp}
-    if bad_shards(d, topo) or not found:
-        raise RuntimeError(f"checkpoint {d} is incomplete, corrupt or of another layout: "
-                           f"{bad_shards(d, topo) or [key]}")
+    every = _indexes(d)              # read and hashed once: data files can be gigabytes
+    found = {k: ix for k, ix in every.items() if _parts(k)[0] == pp}
+    bad = _bad(every, topo)
+    if bad or not found:
+        raise RuntimeError(f"checkpoint {d} is incomplete, corrupt or of another layout: {bad or [key]}")
     order = sorted(found.values(), key=lambda ix: (ix.key != key, _parts(ix.key)[1] != tp, _parts(ix.key)[2]))
     md = _merge(order)
     st.allocate(state, {n: (tuple(m.size), str(m.properties.dtype))
