@@ -85,6 +85,11 @@ def run_job(tmp: Path, local: str, steps: int, actions=(), sets=(), script_args=
     except TimeoutError as e:          # the leak check runs on a timeout too
         raise TimeoutError(f"{e}; processes left behind (now killed): {kill_leftovers(r.job_dir)}") from None
     no_leftovers(r.job_dir)
+    if rc == 0 and len(r.done) < len(r.actions):
+        # the job ended before an interruption could be injected (standbys still warming on a
+        # loaded machine, or the step passed): say so, rather than fail later on a missing record
+        raise AssertionError(f"the job ended before {r.actions[len(r.done):]} were injected "
+                             f"(injected: {r.done}); {r.job_dir}")
     res = json.loads(jobdir.result_file(r.job_dir).read_text()) if jobdir.result_file(r.job_dir).exists() else {}
     return Ran(r.job_dir, rc, res, list(evlog.read(jobdir.events_file(r.job_dir))), r.done)
 

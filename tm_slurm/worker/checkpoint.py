@@ -27,6 +27,7 @@ written by a thread while training goes on (`Writer`); one is in flight at most.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -183,6 +184,8 @@ def write(root_: Path, s: Staged) -> Path:
             tensors[wr.index.fqn][2].append([list(wr.index.offset), list(sizes), info.relative_path,
                                              info.offset, info.length])
         files = {f: _sha(sd / f) for f in sorted({wr.storage_data.relative_path for wr in w.results})}
+        for f in files:
+            os.chmod(sd / f, 0o600)                  # DCP creates them with the umask
         data = codec.dumps(CheckpointIndex(s.step, s.key, s.keys, tensors, s.plain, files))
         fsync_write(sd / INDEX, data)
         fsync_write(sd / INDEX_SUM, hashlib.sha256(data).hexdigest().encode())
