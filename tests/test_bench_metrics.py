@@ -52,12 +52,15 @@ def test_report_ratios_and_overhead():
     samples = [Sample("planned", "tm_slurm", 0.05, 0, 0.1, "", {}), Sample("planned", "tm_slurm", 0.07, 0, 0.1, "", {}),
                Sample("planned", "tm_slurm", 0.06, 0, 0.1, "", {}),
                Sample("planned", "checkpoint-restart", 12.0, 0, 0.1, "", {})]
-    out = report(samples, ["planned"], ["tm_slurm", "checkpoint-restart"], tm_steady=0.101, plain_steady=0.1)
+    out = report(samples, ["planned"], ["tm_slurm", "checkpoint-restart"],
+                 pairs=[(0.101, 0.1), (0.2, 0.1), (0.099, 0.1)])     # one disturbed pair
     r = out["scenarios"]["planned"]
     assert r["tm_slurm"] == {"downtime_s": 0.06, "min": 0.05, "max": 0.07, "n": 3, "lost_steps": 0,
                              "steady_step_s": 0.1, "ratio_vs_tm": 1.0}
     assert r["checkpoint-restart"]["ratio_vs_tm"] == 200.0
     assert out["steady_overhead"] == pytest.approx(0.01)
+    assert out["steady_overhead_spread"] == [pytest.approx(-0.01), pytest.approx(1.0)]
+    assert out["steady_overhead_n"] == 3
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES))

@@ -88,3 +88,36 @@ def test_a_deferred_slurm_drain_is_cancelled_when_the_node_is_resumed_a_users_is
     intake.watcher([(e, time.time(), 0.0) for e in w.check(["n1", "n2"])], [], nodes)
     assert set(intake.wanted_drains) == {"n2"} and intake.deferred_drains == {"n2"}
     assert ("drain_cancelled", {"node": "n1", "why": "resumed in Slurm before it was done"}) in log
+
+
+def test_polls_back_off_while_nothing_changes_and_reservations_are_asked_for_rarely():
+    from tm_slurm.slurm.watcher import next_interval
+    ticks = [1.0 * 2 ** i for i in range(6)]
+    assert [next_interval(t, False, 1.0, 8.0) for t in ticks] == [2.0, 4.0, 8.0, 8.0, 8.0, 8.0]
+    assert next_interval(8.0, True, 1.0, 8.0) == 1.0
+
+    class Counting(Backend):
+        asked = 0
+
+        def reservations(self):
+            self.asked += 1
+            return []
+
+    b, t = Counting(), [0.0]
+    w = Watcher(C.load(None), "1", backend=b, mono=lambda: t[0])
+    w.check(["n1", "n2"])
+    assert w.changed and b.asked == 1                   # the first poll: everything is news
+    for t[0] in (8.0, 16.0, 59.0):
+        w.check(["n1", "n2"])
+        assert not w.changed and b.asked == 1
+    _drain(b, "n2")
+    t[0] = 60.0
+    assert [e.node for e in w.check(["n1", "n2"])] == ["n2"] and w.changed and b.asked == 2
+
+
+def test_poll_settings_must_let_a_maintenance_reservation_be_seen_in_time():
+    import pytest
+    C.load(None, {"slurm.poll_interval_s": 60})          # no backoff above the ceiling: fine
+    with pytest.raises(C.ConfigError, match="maint_horizon_s .600.0. must be larger"):
+        C.load(None, {"slurm.reservation_poll_s": 595})
+    assert C.load(None, {"slurm.maint_horizon_s": 0, "slurm.reservation_poll_s": 595})

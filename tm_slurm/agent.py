@@ -7,6 +7,7 @@ imports torch, so it starts in a fraction of a second.
 from __future__ import annotations
 
 import os
+import secrets
 import selectors
 import signal
 import socket
@@ -114,6 +115,7 @@ class Agent:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("PMI_", "MPIR_", "HYDRA_", "MPI_", mpictl.MPI_ENV))}
         env.update(dict(launch.env))
+        spawn = secrets.token_hex(8)
         for i in range(launch.local_ranks):
             a, b = socket.socketpair()
             wenv = dict(env, TM_SLURM_AGENT_FD=str(b.fileno()), TM_SLURM_NODE=self.node,
@@ -130,7 +132,7 @@ class Agent:
             self.workers[i] = w
             self.sel.register(a, selectors.EVENT_READ, w)
             wire.send_bootstrap(self.secret + self.job.encode())
-            wire.send(Assign(launch, self.node, i))
+            wire.send(Assign(launch, self.node, i, spawn))
 
     def to_workers(self, payload) -> None:
         if not self.workers and self.launch is not None and self._names_us(payload):

@@ -112,7 +112,17 @@ class Comm:
 @dataclass(frozen=True)
 class Slurm:
     backend: str = "auto"                   # auto | cli | pyslurm
+    # the job's nodes are asked for every poll_interval_s while they change; after each quiet
+    # poll the next waits twice as long, up to poll_max_interval_s (a drain waits for running
+    # jobs, a failure is seen by the heartbeats within seconds; each poll is a request that
+    # makes slurmctld pack every node of the cluster: README, "Cost to slurmctld")
     poll_interval_s: float = 1.0
+    poll_max_interval_s: float = 8.0
+    reservation_poll_s: float = 60.0        # maintenance reservations are made well ahead
+
+    def poll_ceiling_s(self) -> float:
+        """The longest wait between two node polls (no backoff when poll_interval_s is longer)."""
+        return max(self.poll_interval_s, self.poll_max_interval_s)
     maint_horizon_s: float = 600.0          # act on a MAINT reservation starting within this
     release_nodes: bool = True              # give evacuated nodes back to Slurm
     requeue_on_exit: bool = True            # time limit / batch-host loss: requeue the job
@@ -141,6 +151,7 @@ RANGES: dict[str, tuple[str, float]] = {
     "standby.replenish_target": (">=", 0), "checkpoint.every_steps": (">=", 0),
     "checkpoint.keep": (">=", 1), "comm.gloo_threads": (">=", 1),
     "slurm.poll_interval_s": (">", 0), "slurm.maint_horizon_s": (">=", 0),
+    "slurm.poll_max_interval_s": (">", 0), "slurm.reservation_poll_s": (">", 0),
     "straggler.margin": (">", 0), "straggler.window_steps": (">=", 1), "seed": (">=", 0)}
 
 
@@ -186,6 +197,14 @@ class Config:
             val = getattr(getattr(self, section) if section else self, name)
             if not (val >= bound if op == ">=" else val > bound):
                 raise ConfigError(f"{key} must be {op} {bound}, got {val}")
+
+        sl = self.slurm
+        if 0 < sl.maint_horizon_s <= sl.reservation_poll_s + sl.poll_ceiling_s():
+            raise ConfigError(
+                f"slurm.maint_horizon_s ({sl.maint_horizon_s}) must be larger than "
+                f"slurm.reservation_poll_s ({sl.reservation_poll_s}) plus the longest node poll "
+                f"interval ({sl.poll_ceiling_s()}): a maintenance reservation must be seen before "
+                "it begins")
 
     def active_nodes(self) -> int:
         return self.layout.world // self.layout.ranks_per_node

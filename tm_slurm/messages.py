@@ -201,6 +201,7 @@ class Assign:
     launch: Launch
     node: str
     local: int
+    spawn: str = ""                   # this set of the node's workers (a restart makes a new one)
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,17 @@ def add_parser(sub) -> None:
     b.add_argument("--example", choices=sorted(EXAMPLES), default="gpt",
                    help="the job measured: gpt (DP=2 x PP=2, the low-level API), ddp (a stock DDP loop), "
                    "fsdp (a stock FSDP2 loop) or llama (a Llama-style decoder, HSDP 2 x 2)")
+    b.add_argument("--pairs", type=int, default=3, help="steady-state overhead: back-to-back runs "
+                   "with and without the runtime; the median of their ratios is reported, with the spread")
     b.add_argument("--out", help="default: ./tm_slurm_jobs/bench-<time>")
     b.add_argument("--no-plot", action="store_true")
     b.add_argument("--scaling", action="store_true", help="also: swap cost vs world size")
     b.add_argument("--frames", action="store_true", help="only: what a control-plane frame costs "
                    "(seal + open, HMAC) against pickle, in microseconds")
+    b.add_argument("--slurmctld", action="store_true", help="only: what a job costs slurmctld (sdiag's RPCs "
+                   "a minute by type and their time), a plain job vs tm_slurm at each poll setting; needs a "
+                   "Slurm where `sdiag -r` is allowed (the minicluster), run from the repository root")
+    b.add_argument("--window", type=float, default=60.0, help="--slurmctld: seconds measured per case")
     b.add_argument("--soak", type=int, metavar="STEPS", help="only: one run this long with a planned "
                    "swap every --soak-every steps; the controller's memory and store keys over time")
     b.add_argument("--soak-every", type=int, default=1000)
@@ -49,6 +55,13 @@ def main(args) -> int:
     if args.frames:
         costs = frame_costs()
         print(json.dumps(costs, indent=1) if args.json else frames_table(costs))
+        return 0
+    if args.slurmctld:
+        from .slurmctld import measure, table as ctld_table
+        root = Path(args.out or Path.cwd() / "tm_slurm_jobs" / f"slurmctld-{time.strftime('%Y%m%d-%H%M%S')}")
+        out = measure(root, args.window, say=lambda *a: print(*a, file=sys.stderr, flush=True))
+        (root / "slurmctld.json").write_text(json.dumps(out, indent=1))
+        print(json.dumps(out, indent=1) if args.json else ctld_table(out))
         return 0
     if args.soak:
         from .soak import soak, table as soak_table
@@ -90,12 +103,21 @@ def main(args) -> int:
                 samples.append(s)
                 say(f"  [{time.monotonic() - t0:6.0f}s] rep {rep + 1}/{reps} {sc:9s} {st:20s} "
                     f"downtime {s.downtime_s:7.3f}s  steps redone {s.lost_steps}")
-    say("  steady-state overhead: the same script with and without the runtime ...")
-    plain, tm = [], []
-    for _ in range(reps):
-        plain.append(runs.plain_steady(root, steps, extra, ex=ex)[0])
-        tm.append(runs.runtime_steady(root, steps, extra, ex=ex)[0])
-    out = report(samples, scenarios, strategies, statistics.median(tm), statistics.median(plain))
+    say(f"  steady-state overhead: {args.pairs} pairs of the same script with and without the runtime ...")
+    pairs = []
+    for i in range(args.pairs):
+        # each pair back to back, the order alternating: a drift of the machine lands on both
+        # sides, and the median of the pairs' ratios shrugs off one disturbed run
+        plain = tm = 0.0
+        for who in (("plain", "tm") if i % 2 == 0 else ("tm", "plain")):
+            if who == "plain":
+                plain = runs.plain_steady(root, steps, extra, ex=ex)[0]
+            else:
+                tm = runs.runtime_steady(root, steps, extra, ex=ex)[0]
+        pairs.append((tm, plain))
+        say(f"  [{time.monotonic() - t0:6.0f}s] pair {i + 1}/{args.pairs}: tm_slurm {tm * 1e3:.1f} ms, "
+            f"plain {plain * 1e3:.1f} ms a step")
+    out = report(samples, scenarios, strategies, pairs)
     out["frames"] = frame_costs()
     out["config"] = {"example": ex.name, "layout": ex.layout, "reps": reps, "analyzed": args.analyze, "steps": steps,
                      "at_step": at, "hang_timeout_s": hang, "node": ex.drain,
@@ -116,7 +138,8 @@ def main(args) -> int:
     return 0
 
 
-def report(samples, scenarios, strategies, tm_steady: float, plain_steady: float) -> dict:
+def report(samples, scenarios, strategies, pairs: list[tuple[float, float]]) -> dict:
+    """`pairs`: (tm_slurm, plain) median step times of back-to-back steady runs."""
     res: dict = {"scenarios": {}}
     for sc in scenarios:
         row = {}
@@ -136,8 +159,12 @@ def report(samples, scenarios, strategies, tm_steady: float, plain_steady: float
         for st, r in row.items():
             r["ratio_vs_tm"] = round(r["downtime_s"] / tm, 2) if tm and tm > 0 else None
         res["scenarios"][sc] = row
-    res["steady_overhead"] = round((tm_steady - plain_steady) / plain_steady, 4)
-    res["steady_step_s"] = {"tm_slurm": round(tm_steady, 5), "plain": round(plain_steady, 5)}
+    over = [tm / plain - 1 for tm, plain in pairs]
+    res["steady_overhead"] = round(statistics.median(over), 4)
+    res["steady_overhead_spread"] = [round(min(over), 4), round(max(over), 4)]
+    res["steady_overhead_n"] = len(over)
+    res["steady_step_s"] = {"tm_slurm": round(statistics.median(t for t, _ in pairs), 5),
+                            "plain": round(statistics.median(p for _, p in pairs), 5)}
     return res
 
 
@@ -157,7 +184,8 @@ def table(out: dict) -> str:
         lines.append(frames_table(out["frames"]))
     s = out["steady_step_s"]
     lines.append(f"steady step: tm_slurm {s['tm_slurm'] * 1e3:.1f} ms vs plain {s['plain'] * 1e3:.1f} ms: "
-                 f"overhead {out['steady_overhead'] * 100:+.2f}%")
+                 f"overhead {out['steady_overhead'] * 100:+.2f}% (median of {out['steady_overhead_n']} "
+                 f"pairs, {out['steady_overhead_spread'][0] * 100:+.2f}% to {out['steady_overhead_spread'][1] * 100:+.2f}%)")
     if "plot" in out:
         lines.append(f"plot: {out['plot']}")
     return "\n".join(lines)

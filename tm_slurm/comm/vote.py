@@ -1,12 +1,14 @@
 """The per-step commit vote and the agreed switch point, both through the controller's TCPStore.
 
-Every rank votes before its optimizer step: its own sealed vote key, then the shared count. The
-last of `world` ok-votes writes the decision with compare_set, so exactly one decision per
-(generation, step) exists and every rank reads the same one. The count cannot be sealed (a
-stranger who reaches the store could add to it), so the voter that sees it reach `world` commits
-only once every rank's sealed vote is there (at once in a real last vote; docs/design.md §9); a rank that saw a failure, the controller, or a rank whose wait timed out writes "abort"
-the same way and wins only if nobody committed first. The committing voter also reads the
-controller's pending switch, so a planned swap happens at the same step boundary everywhere.
+Every node votes before its optimizer step (its ranks agree first: comm/nodevote.py): its own
+sealed vote key, then the shared count. The last of the nodes' ok-votes writes the decision with
+compare_set, so exactly one decision per (generation, step) exists and every rank reads the same
+one. The count cannot be sealed (a stranger who reaches the store could add to it), so the voter
+that sees it reach the number of nodes commits only once every node's sealed vote is there (at
+once in a real last vote; docs/design.md §9); a rank that saw a failure, the controller, or a
+rank whose wait timed out writes "abort" the same way and wins only if nobody committed first.
+The committing voter also reads the controller's pending switch, so a planned swap happens at
+the same step boundary everywhere.
 Nobody applies a partial update: a step is applied only under a commit decision.
 """
 from __future__ import annotations
@@ -83,13 +85,16 @@ def abort(store, gen: int, step: int, why: str) -> Decision:
     return Decision.decode(raw)
 
 
-def vote(store, gen: int, step: int, world: int, ok: bool, timeout: float, rank: int) -> Decision:
+def vote(store, gen: int, step: int, world: int, ok: bool, timeout: float, rank: int,
+         per_node: int = 1) -> Decision:
+    """`per_node` > 1: the first rank of each node of that many votes for its node
+    (comm/nodevote.py); the count then reaches world // per_node."""
     if not ok:
         return abort(store, gen, step, "a rank saw a failure")
     store.set(rkey(gen, step, rank), "ok")
     n = store.add(nkey(gen, step), 1)
-    if n == world:
-        everyone = [rkey(gen, step, r) for r in range(world)]
+    if n == world // per_node:
+        everyone = [rkey(gen, step, r) for r in range(0, world, per_node)]
         try:
             store.wait(everyone, timedelta(seconds=timeout))
             sealed = all(v == b"ok" for v in store.multi_get(everyone))

@@ -100,13 +100,14 @@ def _vote(w: Worker, voter: ThreadPoolExecutor, step: int) -> votes.Decision:
     """The commit vote runs on a thread of its own: if the controller's host dies, its store
     can hang a blocking wait for minutes, and the main thread must still hear its agent
     say so (and write the survivors' checkpoint)."""
-    fut = voter.submit(votes.vote, w.store, w.gen, step, w.cfg.layout.world,
+    fut = voter.submit(w.node_vote, w.store, w.gen, step, w.cfg.layout.world,
                        not w.table.broken, w.T.vote_timeout_s, w.rank)
     error = None
     while True:
         try:
             d = fut.result(timeout=0.05)
-            w.voted.append((w.gen, step))
+            if w.node_vote.in_store:
+                w.voted.append((w.gen, step))
             if len(w.voted) > votes.KEYS_KEPT:
                 # on the vote thread while this one computes the next step; a failure there is
                 # the store's, and the next vote meets it

@@ -23,6 +23,7 @@ from .. import config as cfgmod
 from .. import faults
 from ..comm.groups import Group, Reaper, build_group, pick_backend
 from ..comm.handles import GroupTable
+from ..comm.nodevote import NodeVote
 from ..comm.torchgroup import WorldGroup
 from ..comm.torchgroup import set_rank as set_world_rank
 from ..comm.sealed import SealedStore
@@ -83,6 +84,10 @@ class Worker:
         self.inbox = Inbox(wire, self.node, self._on_prepare)
         self.inbox.start(self.T.heartbeat_interval_s, lambda: (self.gen, self.rank, self.step,
                                                                 self.committed))
+        # the node's workers agree on each step before one of them votes for the node; they all
+        # start together and meet here (beating already: a slow node-mate is not a dead one)
+        self.node_vote = NodeVote(self.store, first.spawn, self.local, self.launch.local_ranks,
+                                  self.T.vote_timeout_s + self.T.collective_timeout_s)
 
     def _device(self) -> torch.device:
         if torch.cuda.is_available() and self.cfg.comm.backend != "gloo":
