@@ -169,7 +169,7 @@ def test_reboot_asap_is_a_planned_migration(submit, minicluster, ref_digests):
 
 
 def test_maintenance_reservation_is_evacuated_before_it_starts(submit, minicluster, ref_digests):
-    job = submit()
+    job = submit(extra_sets=["slurm.reservation_poll_s=2"])   # seen within the test's wait, not 60 s
     job.wait_warm()
     start = time.time() + 300
     minicluster.scontrol("create", "reservation", "reservationname=tmtest", "nodes=node4",
