@@ -31,7 +31,7 @@ def test_planned_plan_rebuilds_delta_and_sends_from_leaver():
     plan = P.plan_planned(T, 7, gen=3, gen_to=4, moves=[Move(1, "n2", "n5")])
     assert plan.ranks == (1,) and plan.gen_from == 3 and plan.gen_to == 4
     assert {b.id for b in plan.builds} == {"dp/pp0.tp0", "pp/dp1.tp0.s0-1"}
-    assert set(plan.kept) == {"dp/pp1.tp0", "pp/dp0.tp0.s0-1"}
+    assert set(P.kept(T, plan)) == {"dp/pp1.tp0", "pp/dp0.tp0.s0-1"}
     assert all(b.prefix.startswith("p7/") for b in plan.builds)
     assert [(t.rank, t.src_rank) for t in plan.transfers] == [(1, 1)]
 

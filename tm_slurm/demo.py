@@ -200,7 +200,7 @@ def describe(e: dict) -> str | None:
         return f"{e['node']} ready ({e['role']}{', warmed in the sandbox' if e.get('warm') else ''})"
     if k == "swap_planned":
         return (f"drain {e['node']}: plan {e['plan']}, joiner {e['joiner']}, rebuild "
-                f"{len(e['groups_rebuilt'])} groups, keep {len(e['groups_kept'])}")
+                f"{len(e['groups_rebuilt'])} groups, keep {e['groups_kept']}")
     if k == "phase1_done":
         return f"phase 1 done in {e['phase1_s']:.3f}s (training went on)"
     if k == "switch":

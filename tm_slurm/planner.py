@@ -47,11 +47,10 @@ def plan_planned(topo: Topology, plan_id: int, gen: int, gen_to: int, moves: lis
     """Planned migration of one or more slots: rebuild exactly the groups that contain a moving
     rank; each leaver sends its own state to its joiner."""
     ranks = tuple(r for m in moves for r in topo.slot_ranks(m.slot))
-    rebuilt, kept = topo.delta(ranks)
+    rebuilt, _ = topo.delta(ranks)
     return SwapPlan(
         id=plan_id, kind="planned", gen_from=gen, gen_to=gen_to, moves=tuple(moves), ranks=ranks,
         builds=tuple(GroupBuild(g.id, g.members, _prefix(plan_id, g.id)) for g in rebuilt),
-        kept=tuple(g.id for g in kept),
         transfers=tuple(Transfer(r, r, _prefix(plan_id, f"xfer{r}")) for r in ranks),
         reason=reason)
 
@@ -90,8 +89,13 @@ def plan_recovery(topo: Topology, plan_id: int, gen: int, gen_to: int, moves: li
     return SwapPlan(
         id=plan_id, kind="unplanned", gen_from=gen, gen_to=gen_to, moves=tuple(moves), ranks=ranks,
         builds=tuple(GroupBuild(g.id, g.members, _prefix(plan_id, g.id)) for g in groups),
-        kept=tuple(g.id for g in topo.groups if g.id not in ids),
         transfers=transfers, resume_step=resume_step, checkpoint=ckpt_path, reason=reason)
+
+
+def kept(topo: Topology, plan: SwapPlan) -> list[str]:
+    """Ids of the groups `plan` keeps as they are: every group it does not rebuild."""
+    built = {b.id for b in plan.builds}
+    return [g.id for g in topo.groups if g.id not in built]
 
 
 def initial_builds(topo: Topology) -> tuple[GroupBuild, ...]:

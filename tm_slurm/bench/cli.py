@@ -43,6 +43,15 @@ def add_parser(sub) -> None:
                    "a minute by type and their time), a plain job vs tm_slurm at each poll setting; needs a "
                    "Slurm where `sdiag -r` is allowed (the minicluster), run from the repository root")
     b.add_argument("--window", type=float, default=60.0, help="--slurmctld: seconds measured per case")
+    b.add_argument("--control-plane", action="store_true", help="only: the real controller, store and vote "
+                   "against --nodes emulated agents of --ranks-per-node ranks (what is emulated: README); vote "
+                   "latency, controller CPU per step, store operations, swap and recovery planning, RSS")
+    b.add_argument("--nodes", default="64,256,1024", help="--control-plane: node counts, comma-separated")
+    b.add_argument("--ranks-per-node", type=int, default=8)
+    b.add_argument("--step-time", type=float, default=1.0,
+                   help="--control-plane: seconds of emulated compute between votes")
+    b.add_argument("--heartbeat-interval", type=float, help="--control-plane: timeouts.heartbeat_interval_s "
+                   "(default: the config's)")
     b.add_argument("--soak", type=int, metavar="STEPS", help="only: one run this long with a planned "
                    "swap every --soak-every steps; the controller's memory and store keys over time")
     b.add_argument("--soak-every", type=int, default=1000)
@@ -63,6 +72,8 @@ def main(args) -> int:
         (root / "slurmctld.json").write_text(json.dumps(out, indent=1))
         print(json.dumps(out, indent=1) if args.json else ctld_table(out))
         return 0
+    if args.control_plane:
+        return _control_plane(args)
     if args.soak:
         from .soak import soak, table as soak_table
         root = Path(args.out or Path.cwd() / "tm_slurm_jobs" / f"soak-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -135,6 +146,22 @@ def main(args) -> int:
         print(json.dumps(out, indent=1))
     else:
         print(table(out))
+    return 0
+
+
+def _control_plane(args) -> int:
+    from .controlplane import measure, table as cp_table
+    from .plot import plot_control_plane
+    root = Path(args.out or Path.cwd() / "tm_slurm_jobs" / f"control-plane-{time.strftime('%Y%m%d-%H%M%S')}")
+    root.mkdir(parents=True, exist_ok=True)
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True))
+    sizes = [int(n) for n in args.nodes.split(",")]
+    results = [measure(n, args.ranks_per_node, args.steps or 40, args.step_time, args.heartbeat_interval, say=say) for n in sizes]
+    out = results[0] if len(results) == 1 else {"runs": results}
+    if len(results) > 1 and not args.no_plot:
+        out["plot"] = str(plot_control_plane(results, root / "control-plane.png"))
+    (root / "control-plane.json").write_text(json.dumps(out, indent=1))
+    print(json.dumps(out, indent=1) if args.json else cp_table(results))
     return 0
 
 

@@ -84,9 +84,10 @@ class Sealer:
         self._in = 0
 
     def seal(self, msg: Any) -> bytes:
+        """`msg`: a message, or one already encoded (codec.prepare) for many links."""
+        payload = msg if isinstance(msg, codec.Encoded) else codec.prepare(msg)
         self._out += 1
-        body = json.dumps([self.job, self.gen, self.me, self._out, codec.encode(msg)],
-                          separators=(",", ":")).encode()
+        body = f"[{json.dumps(self.job)},{self.gen},{json.dumps(self.me)},{self._out},{payload}]".encode()
         return mac(self.keys.frame, body) + body
 
     def open(self, frame: bytes) -> Any:

@@ -49,23 +49,31 @@ def _enc(v: Any) -> Any:
     raise TypeError(f"{type(v).__name__} cannot cross the control plane (plain values and messages.py types only)")
 
 
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+
+
 def _dec(v: Any) -> Any:
-    if isinstance(v, list):
-        return [_dec(x) for x in v]
-    if not isinstance(v, dict):
+    # the tagged shapes are tested first, by exact keys: a controller decodes every agent's
+    # heartbeat (10 a second each), so this is its hottest code at 1,024 nodes
+    t = type(v)
+    if t is list:
+        return [y if type(y) in _PLAIN else _dec(y) for y in v]
+    if t is not dict:
         return v
+    n = len(v)
+    if n == 1:
+        if (x := v.get(_TUPLE)) is not None and type(x) is list:
+            return tuple([y if type(y) in _PLAIN else _dec(y) for y in x])
+        if (x := v.get(_DICT)) is not None and type(x) is list:
+            if not all(isinstance(p, list) and len(p) == 2 for p in x):
+                raise DecodeError("malformed mapping")
+            return {_hashable(_dec(k)): _dec(y) for k, y in x}
+    elif n == 2 and _MSG in v and type(f := v.get("f")) is dict:
+        return _message(v[_MSG], f)
     tags = [k for k in v if k.startswith("#")]
-    if not tags:
-        return {k: _dec(x) for k, x in v.items()}
-    if tags == [_TUPLE] and len(v) == 1 and isinstance(v[_TUPLE], list):
-        return tuple(_dec(x) for x in v[_TUPLE])
-    if tags == [_DICT] and len(v) == 1 and isinstance(v[_DICT], list):
-        if not all(isinstance(p, list) and len(p) == 2 for p in v[_DICT]):
-            raise DecodeError("malformed mapping")
-        return {_hashable(_dec(k)): _dec(x) for k, x in v[_DICT]}
-    if tags == [_MSG] and set(v) == {_MSG, "f"} and isinstance(v["f"], dict):
-        return _message(v[_MSG], v["f"])
-    raise DecodeError(f"unknown tags {tags}")
+    if tags:
+        raise DecodeError(f"unknown tags {tags}")
+    return {k: _dec(x) for k, x in v.items()}
 
 
 def _hashable(k: Any) -> Any:
@@ -85,7 +93,7 @@ def _message(name: Any, fields: dict) -> Any:
     if missing:
         raise DecodeError(f"{name}: missing fields {sorted(missing)}")
     try:
-        return cls(**{k: _dec(x) for k, x in fields.items()})
+        return cls(**{k: x if type(x) in _PLAIN else _dec(x) for k, x in fields.items()})
     except TypeError as e:
         raise DecodeError(f"{name}: {e}") from None
 
@@ -103,6 +111,15 @@ def decode(plain: Any) -> Any:
         raise
     except (ValueError, TypeError, RecursionError) as e:
         raise DecodeError(f"not a control-plane value: {type(e).__name__}") from None
+
+
+class Encoded(str):
+    """A message already encoded to JSON: a broadcast encodes once for every link (a swap plan
+    at 1,024 nodes took 2.6 ms to encode, 2.7 s for all of them)."""
+
+
+def prepare(msg: Any) -> Encoded:
+    return Encoded(json.dumps(_enc(msg), separators=(",", ":")))
 
 
 def dumps(v: Any) -> bytes:

@@ -104,8 +104,10 @@ class Channel:
 
     TAG = 7
 
-    def __init__(self, comm):
-        self.comm = comm
+    def __init__(self, comm, tags: tuple[int, int] = (TAG, TAG)):
+        # (send, receive): one tag both ways on an intercommunicator; a harness that plays both
+        # ends of a link on one communicator of its own (bench/controlplane.py) tells them apart
+        self.comm, (self._tx, self._rx) = comm, tags
         self.sealer: Sealer | None = None     # set by whoever authenticates the link
         self.refused = 0
         self.refused_why = ""
@@ -129,7 +131,7 @@ class Channel:
         buf = bytearray(self.sealer.seal(msg))
         try:
             isend = self.comm.Issend if sync else self.comm.Isend
-            req = isend([buf, MPI.BYTE], dest=0, tag=self.TAG)
+            req = isend([buf, MPI.BYTE], dest=0, tag=self._tx)
         except MPI.Exception:
             self.broken = True
             self.abandon()
@@ -154,7 +156,7 @@ class Channel:
         status = MPI.Status()
         for _ in range(limit):
             try:
-                m = self.comm.improbe(source=0, tag=self.TAG, status=status)
+                m = self.comm.improbe(source=0, tag=self._rx, status=status)
             except MPI.Exception:
                 self.broken = True
                 self.abandon()

@@ -22,7 +22,7 @@ from .. import config as cfgmod
 from .. import jobdir
 from ..comm import vote as votes
 from ..comm.sealed import SealedStore
-from ..control import auth
+from ..control import auth, codec
 from ..control import mpi as mpictl
 from ..events import EventLog
 from ..exits import Exit
@@ -102,6 +102,9 @@ class Controller:
         self.requeue_wanted = True       # a REQUEUED end runs again, unless a signal said otherwise
         self.intake = Intake(self.log.emit)
         self.pool = Pool(self)
+        # when the main loop next pings, writes status.json, reads requests; until when it is busy
+        self._loop = {"last": time.monotonic(), "ping": 0.0, "status": 0.0, "req": 0.0,
+                      "busy_until": 0.0, "ping_seq": 0}
 
     # ------------------------------------------------------------ episodes
     def live(self) -> list[Episode]:
@@ -151,8 +154,9 @@ class Controller:
             ch.send(msg)
 
     def broadcast(self, msg) -> None:
+        enc = codec.prepare(msg)
         for n in list(self.channels):
-            self.send(n, msg)
+            self.send(n, enc)
 
     def adopt(self, plan: SwapPlan, since: int) -> None:
         """A plan took effect: new generation, new slot holders (from step `since`), new group instances."""
@@ -216,11 +220,14 @@ class Controller:
             self.relaunch(n)
 
     # ------------------------------------------------------------ setup
-    def _open(self) -> None:
+    def open_store(self) -> None:
         server = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False,
                                timeout=timedelta(seconds=self.T.vote_timeout_s))
         self.store = SealedStore(server, self.keys)
         self.store_addr = (self.store_host, server.port)
+
+    def _open(self) -> None:
+        self.open_store()
         jobdir.control_dir(self.job_dir)
         self.port = mpictl.Port(jobdir.port_file(self.job_dir))
         self.admission = Admission(self.port, self.keys, self.job_id, jobdir.join_dir(self.job_dir),
@@ -507,6 +514,54 @@ class Controller:
         self.start(Ending(self, why, final, int(code), wait_workers))
 
     # ------------------------------------------------------------ loop
+    def tick(self) -> bool:
+        """One pass of the main loop (bench/controlplane.py drives it too); true while busy, when
+        the loop polls every millisecond instead of every 20."""
+        L, now = self._loop, time.monotonic()
+        if now - L["last"] > 0.5:
+            self.log.emit("controller_stall", stall_s=round(now - L["last"], 3))
+        L["last"] = now
+        if self.job.state == JobState.STARTING or now >= L["req"]:
+            if self.admission.announced():
+                self._admit()
+        for node, ch in list(self.channels.items()):
+            for m in ch.poll():
+                if not isinstance(m, Heartbeat):
+                    L["busy_until"] = now + mpictl.BUSY_FOR_S
+                self._dispatch(node, m)
+            if ch.refused:
+                self.admission.refused(node, ch.refused_why)
+        if self.job.state == JobState.STARTING and now - self.t_start > self.T.admit_timeout_s:
+            missing = sorted(set(self.nodes.nodes) - set(self.channels))
+            self.log.emit("start_timeout", missing_agents=missing)
+            self.stop(f"not every node started within {self.T.admit_timeout_s}s: {missing}",
+                      JobState.FAILED, code=Exit.FAILED)
+        self._check_liveness(now)
+        if now >= L["req"]:
+            self._apply(self.intake.requests(*self.requests.poll(), self.nodes.nodes))
+            L["req"] = now + 0.05
+        if self.watcher is not None:
+            self._poll_watcher()
+        while self.signals:
+            self._on_signal(signal.Signals(self.signals.pop(0)))
+        for ep in list(self.live()):
+            ep.tick(now)
+        self.pool.check_stragglers(now)
+        self.records.poll_checkpoints()
+        self._drive_intake()
+        self.pool.replenish()
+        if self.on_tick is not None:
+            self.on_tick(self)
+        if now >= L["ping"]:
+            L["ping_seq"] += 1
+            self.broadcast(Ping(L["ping_seq"], time.time()))
+            L["ping"] = now + self.T.heartbeat_interval_s
+        if now >= L["status"]:
+            self.records.write_status()
+            L["status"] = now + jobdir.STATUS_EVERY_S
+        return (now < L["busy_until"] or self.busy()
+                or self.job.state in (JobState.STARTING, JobState.STOPPING))
+
     def run(self) -> int:
         self._open()
         # sbatch --signal=B:USR1@T, SIGTERM (a time limit without --signal: KillWait before
@@ -519,54 +574,9 @@ class Controller:
         try:
             for n in sorted(self.nodes.nodes):
                 self.launcher.start(n)
-            next_ping = next_status = next_req = busy_until = 0.0
-            ping_seq = 0
-            last = time.monotonic()
+            self._loop["last"] = time.monotonic()
             while self.exit_code is None:
-                now = time.monotonic()
-                if now - last > 0.5:
-                    self.log.emit("controller_stall", stall_s=round(now - last, 3))
-                last = now
-                if self.job.state == JobState.STARTING or now >= next_req:
-                    if self.admission.announced():
-                        self._admit()
-                for node, ch in list(self.channels.items()):
-                    for m in ch.poll():
-                        if not isinstance(m, Heartbeat):
-                            busy_until = now + mpictl.BUSY_FOR_S
-                        self._dispatch(node, m)
-                    if ch.refused:
-                        self.admission.refused(node, ch.refused_why)
-                if self.job.state == JobState.STARTING and now - self.t_start > self.T.admit_timeout_s:
-                    missing = sorted(set(self.nodes.nodes) - set(self.channels))
-                    self.log.emit("start_timeout", missing_agents=missing)
-                    self.stop(f"not every node started within {self.T.admit_timeout_s}s: {missing}",
-                              JobState.FAILED, code=Exit.FAILED)
-                self._check_liveness(now)
-                if now >= next_req:
-                    self._apply(self.intake.requests(*self.requests.poll(), self.nodes.nodes))
-                    next_req = now + 0.05
-                if self.watcher is not None:
-                    self._poll_watcher()
-                while self.signals:
-                    self._on_signal(signal.Signals(self.signals.pop(0)))
-                for ep in list(self.live()):
-                    ep.tick(now)
-                self.pool.check_stragglers(now)
-                self.records.poll_checkpoints()
-                self._drive_intake()
-                self.pool.replenish()
-                if self.on_tick is not None:
-                    self.on_tick(self)
-                if now >= next_ping:
-                    ping_seq += 1
-                    self.broadcast(Ping(ping_seq, time.time()))
-                    next_ping = now + self.T.heartbeat_interval_s
-                if now >= next_status:
-                    self.records.write_status()
-                    next_status = now + jobdir.STATUS_EVERY_S
-                busy = (now < busy_until or self.busy()
-                        or self.job.state in (JobState.STARTING, JobState.STOPPING))
+                busy = self.tick()
                 time.sleep(mpictl.POLL_BUSY_S if busy else mpictl.POLL_IDLE_S)
         except Exception:
             import traceback

@@ -28,19 +28,34 @@ class Progress:
         self.keep = keep
         self.by_rank: dict[int, dict[int, StepRecord]] = defaultdict(dict)
         self._top: dict[int, int] = {}
+        # step -> how many ranks hold a record of it: whether a step is complete is then one
+        # look-up, not a pass over every rank per heartbeat (which grew with nodes x ranks)
+        self._have: dict[int, int] = {}
 
     def clear(self) -> None:
         self.by_rank.clear()
         self._top.clear()
+        self._have.clear()
 
     def add(self, rank: int, entries) -> None:
         d = self.by_rank[rank]
         for e in entries:
             r = StepRecord(*e)
+            if r.step not in d:
+                self._have[r.step] = self._have.get(r.step, 0) + 1
             d[r.step] = r
             self._top[rank] = max(self._top.get(rank, r.step), r.step)
         while len(d) > self.keep:
-            del d[next(iter(d))]          # the oldest reported
+            old = next(iter(d))           # the oldest reported
+            del d[old]
+            if (left := self._have[old] - 1) > 0:
+                self._have[old] = left
+            else:
+                del self._have[old]
+
+    def reported(self, step: int) -> int:
+        """How many ranks have a record of `step`."""
+        return self._have.get(step, 0)
 
     def committed(self, rank: int) -> int | None:
         return self._top.get(rank)

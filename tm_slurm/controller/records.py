@@ -33,6 +33,8 @@ class Records:
         rollback): progress over time, for users, `tm-slurm report` and the benchmark."""
         ctl = self.ctl
         for s in sorted(set(steps)):
+            if ctl.progress.reported(s) < ctl.topo.world:
+                continue
             recs = [ctl.progress.record(r, s) for r in range(ctl.topo.world)]
             if None in recs:
                 continue
@@ -49,10 +51,11 @@ class Records:
 
     def snapshot(self) -> dict:
         ctl = self.ctl
-        nodes = {}
+        nodes, held = {}, {}
+        for r, h in ctl.holders.ranks.items():
+            held.setdefault(h, []).append(r)
         for name, n in sorted(ctl.nodes.nodes.items()):
-            ranks = sorted(r for r, h in ctl.holders.ranks.items() if h == name) if n.role in (
-                Role.ACTIVE, Role.LEAVING) else []
+            ranks = sorted(held.get(name, ())) if n.role in (Role.ACTIVE, Role.LEAVING) else []
             ws = [{"local": w.local, "pid": w.pid, "rank": w.rank, "step": w.step, "alive": w.alive}
                   for w in ctl.workers.get(name, {}).values()]
             nodes[name] = {"role": n.role.value, "ready": n.ready, "ranks": ranks, "slot": n.slot,
@@ -84,7 +87,7 @@ class Records:
         p = jobdir.status_file(self.ctl.job_dir)
         tmp = p.with_name(".status.json.tmp")
         try:
-            tmp.write_text(json.dumps(self.snapshot(), indent=1))
+            tmp.write_text(json.dumps(self.snapshot()))    # no indent: C's encoder, 10x faster at 1,024 nodes
             os.replace(tmp, p)
         except OSError:
             tmp.unlink(missing_ok=True)     # a full disk: the last snapshot stays; the next may fit

@@ -17,7 +17,7 @@ import enum
 
 from ...messages import (Aborted, CancelPlan, Joined, Move, Recover, RecoverBuilt, RecoverFailed, Recovered,
                          Report, Resume, ToWorkers, WriteCheckpoint)
-from ...planner import (PlanError, ShrinkPlan, choose_joiner, exhausted_action, plan_recovery, plan_shrink,
+from ...planner import (PlanError, ShrinkPlan, choose_joiner, exhausted_action, kept, plan_recovery, plan_shrink,
                         recovery_needed)
 from ...roles import JobState, Role
 from ...worker import checkpoint as ckpt
@@ -205,7 +205,7 @@ class Recovery(Episode):
         p.log.emit("recovery_planned", step=plan.resume_step, plan=plan.id,
               moves=[[m.leaver, m.joiner, m.slot] for m in moves],
               donors={t.rank: t.src_rank for t in plan.transfers},
-              groups_rebuilt=[b.id for b in plan.builds], groups_kept=list(plan.kept),
+              groups_rebuilt=[b.id for b in plan.builds], groups_kept=len(kept(p.topo, plan)),
               fallback=self.fallback, checkpoint=plan.checkpoint)
         p.broadcast(ToWorkers(Recover(plan)))
         self.to(S.BUILDING)
@@ -253,8 +253,8 @@ class Recovery(Episode):
                                          for d in self.done_by.values()), default=None)),
                 "transfer_s": rounded(max((d.transfer_s for d in donors), default=None)),
             },
-            "groups_rebuilt": len(plan.builds), "groups_kept": len(plan.kept),
-            "groups_rebuilt_ids": [b.id for b in plan.builds], "groups_kept_ids": list(plan.kept),
+            "groups_rebuilt": len(plan.builds), "groups_kept": len(kept_ids := kept(p.topo, plan)),
+            "groups_rebuilt_ids": [b.id for b in plan.builds], "groups_kept_ids": kept_ids,
             "state_bytes": sum(d.bytes for d in donors), "plans_tried": self.plans_tried,
             "interrupted": interrupted,
         }

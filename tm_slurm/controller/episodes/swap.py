@@ -14,7 +14,7 @@ import enum
 from ...comm import vote as votes
 from ...messages import (CancelPlan, Joined, Left, Prepare, PrepareFailed, Ready, Report, Shutdown,
                          SwapPlan, Switched, ToWorkers)
-from ...planner import ready_needed
+from ...planner import kept, ready_needed
 from ...roles import JobState, Role
 from .base import Episode, Failure, rounded
 
@@ -69,7 +69,7 @@ class PlannedSwap(Episode):
         p.log.emit("swap_planned", node=plan.leavers[0], plan=plan.id, kind_of="planned",
               joiner=plan.joiners[0], ranks=list(plan.ranks), reason=self.reason,
               gen_to=plan.gen_to, groups_rebuilt=[b.id for b in plan.builds],
-              groups_kept=list(plan.kept))
+              groups_kept=len(kept(p.topo, plan)))
         p.broadcast(ToWorkers(Prepare(plan)))
 
     def involves(self, node: str) -> bool:
@@ -198,8 +198,8 @@ class PlannedSwap(Episode):
                 "transfer_s": rounded(transfer_s),
                 "switch_step_s": rounded(slow.dur_s if slow else None),
             },
-            "groups_rebuilt": len(plan.builds), "groups_kept": len(plan.kept),
-            "groups_rebuilt_ids": [b.id for b in plan.builds], "groups_kept_ids": list(plan.kept),
+            "groups_rebuilt": len(plan.builds), "groups_kept": len(kept_ids := kept(p.topo, plan)),
+            "groups_rebuilt_ids": [b.id for b in plan.builds], "groups_kept_ids": kept_ids,
             "state_bytes": state_bytes,
             "transfer_gbps": rounded(state_bytes / transfer_s / 1e9 if transfer_s > 0 else None),
             "event_to_plan_s": rounded(self.plan_wall - self.requested_wall),
