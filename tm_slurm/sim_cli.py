@@ -31,7 +31,7 @@ def render_text(res: dict, rows: list[dict], params: Params, check: dict | None)
     for note in params.notes:
         L.append(f"  note: {note}")
     L.append("")
-    hdr = f"{'strategy':<22}{'events/wk':>10}{'downtime':>10}{'lost':>9}{'resched':>9}{'standby':>9}" \
+    hdr = f"{'strategy':<22}{'events/wk':>10}{'downtime':>10}{'lost':>9}{'resched':>9}{'overhead':>9}{'standby':>9}" \
           f"{'total':>9}{'ETTR':>7}  per event planned/unplanned (s)"
     L.append("wasted GPU-hours/week")
     L.append(hdr)
@@ -40,7 +40,8 @@ def render_text(res: dict, rows: list[dict], params: Params, check: dict | None)
         spe = v["seconds_per_event"]
         pe = "/".join(f"{sum(spe[sc].values()):.1f}" for sc in ("planned", "unplanned"))
         L.append(f"{k:<22}{v['events_per_week']['total']:>10.1f}{_fmt_gh(w['downtime']):>10}"
-                 f"{_fmt_gh(w['lost_work']):>9}{_fmt_gh(w['rescheduling']):>9}{_fmt_gh(w['standby']):>9}"
+                 f"{_fmt_gh(w['lost_work']):>9}{_fmt_gh(w['rescheduling']):>9}{_fmt_gh(w['overhead']):>9}"
+                 f"{_fmt_gh(w['standby']):>9}"
                  f"{_fmt_gh(w['total']):>9}{v['ettr']:>7.3f}  {pe}" + ("  SATURATED" if v["saturated"] else ""))
     if res.get("reduction_vs_best") is not None:
         L.append(f"\nreduction_vs_best: {res['reduction_vs_best']:.1%} less waste than {res['best_alternative']} "
@@ -122,6 +123,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--ckpt-interval-min", type=float, help="checkpoint interval (default 10 min)")
     s.add_argument("--ckpt-interval-steps", type=float, help="checkpoint interval in steps (x --step-s)")
     s.add_argument("--step-s", type=float, help="iteration time at scale (default 7.33 s; bench: its own)")
+    s.add_argument("--overhead", type=float, help="the runtime's steady overhead, charged to the tm_slurm "
+                   "strategies (0.077 = +7.7 %%; default 0, --from-bench: measured)")
     s.add_argument("--hang-fraction", type=float, help="share of unplanned events that are hangs (default 0)")
     s.add_argument("--hang-detect-s", type=float, help="detection delay added to hangs without a measurement")
     s.add_argument("--lost-work", choices=("on", "off"), help="count redone work (default: on; --paper: off)")
@@ -154,6 +157,8 @@ def build_params(args) -> Params:
         p = load_bench(p, args.from_bench)
     if getattr(args, "step_s", None) is not None:
         p.step_s = args.step_s
+    if getattr(args, "overhead", None) is not None:
+        p.runtime_overhead, p.runtime_overhead_source = args.overhead, "override"
     if getattr(args, "ckpt_interval_steps", None) is not None:
         p.ckpt_interval_s = args.ckpt_interval_steps * p.step_s
     for spec in getattr(args, "downtime", None) or []:
