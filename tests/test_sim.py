@@ -320,3 +320,19 @@ def test_cli_plot(tmp_path, capsys, monkeypatch):
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rc, out, _ = _cli(["--sizes", "1024,8192", "--plot", str(tmp_path / "x.png"), "--json"], capsys)
     assert json.loads(out)["plot"].endswith("x.png")
+
+
+def test_plan_standbys_picks_the_best_goodput_and_draws_the_curve(tmp_path, capsys):
+    plan = sim.plan_standbys(sim.default_params(), 65536)
+    curve = plan["curve"]
+    assert [c["standbys"] for c in curve] == list(range(17))
+    assert curve[0]["standby_miss_rate"] == 1.0             # no standby: every failure takes the cold path
+    best = max(c["ettr"] for c in curve)
+    assert next(c for c in curve if c["standbys"] == plan["standbys"])["ettr"] == best
+    assert 2 <= plan["standbys"] <= 6                        # misses vanish, then idle nodes cost more
+    small = sim.plan_standbys(sim.default_params(), 1024)
+    assert small["standbys"] <= 1                            # a rare failure does not pay for idle nodes
+    png = tmp_path / "sb.png"
+    rc, out, _ = _cli(["--plan-standbys", "--gpus", "65536", "--plot", str(png), "--json"], capsys)
+    d = json.loads(out)
+    assert rc == 0 and d["standbys"] == plan["standbys"] and len(d["curve"]) == 17 and png.stat().st_size > 0

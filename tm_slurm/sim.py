@@ -347,6 +347,23 @@ def _reductions(out: dict) -> dict:
     return r
 
 
+def plan_standbys(params: Params, gpus: int, most: int = 16) -> dict:
+    """How many standby nodes a job of `gpus` GPUs should hold: the count that maximises its
+    goodput (ETTR: useful GPU-hours over allocated ones, the standbys' idle hours included).
+    Each added standby costs its idle node and lowers the share of failures that find none
+    (Erlang-B over the pool, replaced after standby_replenish_s)."""
+    curve = []
+    for k in range(0, most + 1):
+        p = copy.deepcopy(params)
+        p.strategies["tm_slurm"].standby_nodes = k
+        r = project(p, gpus)["strategies"]["tm_slurm"]
+        curve.append({"standbys": k, "ettr": r["ettr"], "waste_gpu_h_per_week": r["wasted_gpu_hours_per_week"]["total"],
+                      "standby_miss_rate": r["standby_miss_fraction"]})
+    best = max(curve, key=lambda c: (round(c["ettr"], 9), -c["standbys"]))     # a tie: fewer nodes
+    return {"gpus": int(gpus), "standbys": best["standbys"], "ettr": best["ettr"], "curve": curve,
+            "model": "analytic (Erlang-B standby misses, linear event count)"}
+
+
 def sweep(params: Params, sizes=SIZES) -> list[dict]:
     rows = []
     for n in sizes:
