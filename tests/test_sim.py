@@ -196,7 +196,8 @@ def test_from_bench_with_missing_entries():
     assert p.step_s == 0.25
     tm = p.strategies["tm_slurm"]
     assert tm.downtime_s["planned"] == 1.5 and tm.source["planned"] == "bench"
-    assert tm.downtime_s["unplanned"] == 2.5 and tm.lost_steps["unplanned"] == 2
+    # bench's downtime already holds its redone steps: they are not priced a second time
+    assert tm.downtime_s["unplanned"] == 2.5 and tm.lost_steps["unplanned"] == 0
     assert p.strategies["checkpoint-restart"].downtime_s["planned"] == 9.0
     # missing: paper default kept and reported
     er = p.strategies["elastic-restart"]
@@ -212,6 +213,43 @@ def test_from_bench_with_missing_entries():
     assert r["strategies"]["tm_slurm"]["seconds_per_event"]["planned"]["lost_work"] == 0
     # original params untouched
     assert sim.default_params().strategies["tm_slurm"].downtime_s["planned"] == sim.PAPER_TM_PLANNED_S
+
+
+def test_from_bench_reads_what_bench_writes(tmp_path, capsys):
+    """The JSON comes from bench's own writer (bench/cli.report), so the two cannot drift apart."""
+    from tm_slurm.bench.cli import report
+    from tm_slurm.bench.runs import Sample
+    samples = [Sample(sc, st, d, lost, 0.07, str(tmp_path), {})
+               for sc, st, d, lost in [("planned", "tm_slurm", 0.16, 0), ("unplanned", "tm_slurm", 0.21, 1),
+                                       ("planned", "checkpoint-restart", 9.6, 0),
+                                       ("unplanned", "checkpoint-restart", 9.8, 4),
+                                       ("planned", "elastic-restart", 5.3, 0), ("unplanned", "elastic-restart", 6.0, 4)]]
+    out = report(samples, ["planned", "unplanned"], ["tm_slurm", "checkpoint-restart", "elastic-restart"],
+                 [(0.0763, 0.0709), (0.0779, 0.0715), (0.0728, 0.0724)])
+    f = tmp_path / "bench.json"
+    f.write_text(json.dumps(out))
+    p = sim.load_bench(sim.default_params(), json.loads(f.read_text()))
+    assert p.step_s == out["steady_step_s"]["tm_slurm"]           # a dict in bench's output
+    assert p.runtime_overhead == out["steady_overhead"] > 0 and p.runtime_overhead_source == "bench"
+    assert p.strategies["checkpoint-restart"].downtime_s["unplanned"] == 9.8
+    assert all(st.lost_steps[sc] == 0 for st in p.strategies.values() for sc in ("planned", "unplanned")
+               if st.source[sc] == "bench")
+    charged = sim.project(p, 65536)["strategies"]["tm_slurm"]["wasted_gpu_hours_per_week"]
+    p.runtime_overhead = 0.0
+    free = sim.project(p, 65536)["strategies"]["tm_slurm"]["wasted_gpu_hours_per_week"]
+    # +7.6 % on 64K GPUs: 7.1 % (o / (1 + o)) of every hour it trains, ~95 % of the week there
+    share = out["steady_overhead"] / (1 + out["steady_overhead"])
+    assert 0.9 * 65536 * 168 * share < charged["overhead"] < 65536 * 168 * share and free["overhead"] == 0
+    rc, text, _ = _cli(["--from-bench", str(f), "--json"], capsys)
+    assert rc == 0
+    d = json.loads(text)
+    assert d["inputs"]["runtime_overhead"] == {"value": out["steady_overhead"], "source": "bench"}
+    assert any("include the steps redone" in n for n in d["notes"])
+
+
+def test_paper_headline_is_pinned():
+    """The paper mode's headline, by hand: it must not drift unnoticed."""
+    assert sim.paper_check(sim.paper_params())["ours"]["reduction_vs_best"] == pytest.approx(0.5575, abs=0.001)
 
 
 def test_from_bench_file_and_hang(tmp_path, capsys):
@@ -282,3 +320,19 @@ def test_cli_plot(tmp_path, capsys, monkeypatch):
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rc, out, _ = _cli(["--sizes", "1024,8192", "--plot", str(tmp_path / "x.png"), "--json"], capsys)
     assert json.loads(out)["plot"].endswith("x.png")
+
+
+def test_plan_standbys_picks_the_best_goodput_and_draws_the_curve(tmp_path, capsys):
+    plan = sim.plan_standbys(sim.default_params(), 65536)
+    curve = plan["curve"]
+    assert [c["standbys"] for c in curve] == list(range(17))
+    assert curve[0]["standby_miss_rate"] == 1.0             # no standby: every failure takes the cold path
+    best = max(c["ettr"] for c in curve)
+    assert next(c for c in curve if c["standbys"] == plan["standbys"])["ettr"] == best
+    assert 2 <= plan["standbys"] <= 6                        # misses vanish, then idle nodes cost more
+    small = sim.plan_standbys(sim.default_params(), 1024)
+    assert small["standbys"] <= 1                            # a rare failure does not pay for idle nodes
+    png = tmp_path / "sb.png"
+    rc, out, _ = _cli(["--plan-standbys", "--gpus", "65536", "--plot", str(png), "--json"], capsys)
+    d = json.loads(out)
+    assert rc == 0 and d["standbys"] == plan["standbys"] and len(d["curve"]) == 17 and png.stat().st_size > 0

@@ -98,6 +98,11 @@ class Params:
     # "linear": events/week = 168 h / MTTF regardless of downtime (the paper's and the issue's model);
     # "renewal": failures only occur while training runs, so long recoveries mean fewer events.
     event_model: str = "linear"
+    # The runtime's own steady-state cost (a step under tm_slurm / a plain step - 1), charged to
+    # the tm_slurm strategies every hour they train. 0 = not charged (the paper's accounting);
+    # --from-bench takes the measured `steady_overhead` (labelled "bench").
+    runtime_overhead: float = 0.0
+    runtime_overhead_source: str = "paper (not charged)"
     # reduction_vs_best compares with every other strategy, tm_slurm-no-standby included (the
     # paper's best alternative IS TrainMover without a standby); reduction_vs_best_baseline leaves
     # it out (best restart-style baseline).
@@ -178,11 +183,18 @@ def load_bench(params: Params, bench: dict | str | Path) -> Params:
     scen = bench.get("scenarios") or {}
     if not isinstance(scen, dict):
         scen = {}
-    step = _num(bench.get("steady_step_s"))
+    raw_step = bench.get("steady_step_s")
+    # what bench writes: {"tm_slurm": s, "plain": s}, the step under the runtime and without it
+    step = _num(raw_step.get("tm_slurm") if isinstance(raw_step, dict) and "tm_slurm" in raw_step else raw_step)
     if step:
         p.step_s = step
     else:
         p.notes.append(f"bench: no steady_step_s; lost steps priced at {p.step_s:.2f} s each")
+    over = _num(bench.get("steady_overhead"))
+    if over is not None:
+        p.runtime_overhead, p.runtime_overhead_source = max(over, 0.0), "bench"
+        p.notes.append(f"bench: the runtime's steady overhead ({over * 100:+.2f} %) charged to the tm_slurm "
+                       "strategies every training hour")
     missing = []
     for name, st in p.strategies.items():
         for sc in SCENARIOS:
@@ -194,9 +206,10 @@ def load_bench(params: Params, bench: dict | str | Path) -> Params:
                 continue
             st.downtime_s[sc] = d
             st.source[sc] = "bench"
-            ls = _num(e.get("lost_steps"))
-            if ls is not None:
-                st.lost_steps[sc] = ls
+            # bench's downtime is measured from step commits, so it already holds the steps
+            # redone; pricing its lost_steps again would count them twice
+            st.lost_steps[sc] = 0
+    p.notes.append("bench: downtimes measured from step commits include the steps redone (not priced again)")
     if missing:
         p.notes.append("bench: not measured, paper default used for " + ", ".join(missing))
     extra = sorted({s for sc in scen.values() if isinstance(sc, dict) for s in sc} - set(STRATEGIES))
@@ -286,9 +299,14 @@ def project(params: Params, gpus: int) -> dict:
         events = {sc: HOURS_PER_WEEK * rate[sc] * scale for sc in SCENARIOS}
         waste = {k: n * sum(events[sc] * costs[sc][k] for sc in SCENARIOS) / 3600
                  for k in ("downtime", "lost_work", "rescheduling")}
+        # the runtime's steady cost: a share o/(1+o) of every training hour of the job
+        o = params.runtime_overhead if name.startswith("tm_slurm") else 0.0
+        train_h = HOURS_PER_WEEK - sum(events[sc] * (costs[sc]["downtime"] + costs[sc]["rescheduling"])
+                                       for sc in SCENARIOS) / 3600
+        waste["overhead"] = n * max(train_h, 0.0) * o / (1 + o)
         standby_gpus = st.standby_nodes * params.gpus_per_node
         waste["standby"] = standby_gpus * HOURS_PER_WEEK
-        job_waste = waste["downtime"] + waste["lost_work"] + waste["rescheduling"]
+        job_waste = waste["downtime"] + waste["lost_work"] + waste["rescheduling"] + waste["overhead"]
         waste["total"] = job_waste + waste["standby"]
         allocated = (n + standby_gpus) * HOURS_PER_WEEK
         useful = n * HOURS_PER_WEEK - job_waste
@@ -327,6 +345,23 @@ def _reductions(out: dict) -> dict:
     for k, x in others.items():
         out[k]["tm_slurm_reduction"] = 1 - tm / x if x > 0 else 0.0
     return r
+
+
+def plan_standbys(params: Params, gpus: int, most: int = 16) -> dict:
+    """How many standby nodes a job of `gpus` GPUs should hold: the count that maximises its
+    goodput (ETTR: useful GPU-hours over allocated ones, the standbys' idle hours included).
+    Each added standby costs its idle node and lowers the share of failures that find none
+    (Erlang-B over the pool, replaced after standby_replenish_s)."""
+    curve = []
+    for k in range(0, most + 1):
+        p = copy.deepcopy(params)
+        p.strategies["tm_slurm"].standby_nodes = k
+        r = project(p, gpus)["strategies"]["tm_slurm"]
+        curve.append({"standbys": k, "ettr": r["ettr"], "waste_gpu_h_per_week": r["wasted_gpu_hours_per_week"]["total"],
+                      "standby_miss_rate": r["standby_miss_fraction"]})
+    best = max(curve, key=lambda c: (round(c["ettr"], 9), -c["standbys"]))     # a tie: fewer nodes
+    return {"gpus": int(gpus), "standbys": best["standbys"], "ettr": best["ettr"], "curve": curve,
+            "model": "analytic (Erlang-B standby misses, linear event count)"}
 
 
 def sweep(params: Params, sizes=SIZES) -> list[dict]:
@@ -378,4 +413,6 @@ def params_dict(params: Params) -> dict:
 
 
 def inputs_dict(params: Params) -> dict:
-    return {k: asdict(v) for k, v in params.strategies.items()}
+    out = {k: asdict(v) for k, v in params.strategies.items()}
+    out["runtime_overhead"] = {"value": params.runtime_overhead, "source": params.runtime_overhead_source}
+    return out

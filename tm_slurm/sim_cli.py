@@ -8,8 +8,8 @@ import math
 import sys
 from pathlib import Path
 
-from .sim import (SIZES, Params, apply_override, default_params, inputs_dict, load_bench, paper_check,
-                  paper_params, params_dict, project, sweep)
+from .sim import (SIZES, Params, apply_override, default_params, inputs_dict, load_bench, mttf_h, paper_check,
+                  paper_params, params_dict, plan_standbys, project, sweep)
 
 # ---------------------------------------------------------------- output
 
@@ -31,7 +31,7 @@ def render_text(res: dict, rows: list[dict], params: Params, check: dict | None)
     for note in params.notes:
         L.append(f"  note: {note}")
     L.append("")
-    hdr = f"{'strategy':<22}{'events/wk':>10}{'downtime':>10}{'lost':>9}{'resched':>9}{'standby':>9}" \
+    hdr = f"{'strategy':<22}{'events/wk':>10}{'downtime':>10}{'lost':>9}{'resched':>9}{'overhead':>9}{'standby':>9}" \
           f"{'total':>9}{'ETTR':>7}  per event planned/unplanned (s)"
     L.append("wasted GPU-hours/week")
     L.append(hdr)
@@ -40,7 +40,8 @@ def render_text(res: dict, rows: list[dict], params: Params, check: dict | None)
         spe = v["seconds_per_event"]
         pe = "/".join(f"{sum(spe[sc].values()):.1f}" for sc in ("planned", "unplanned"))
         L.append(f"{k:<22}{v['events_per_week']['total']:>10.1f}{_fmt_gh(w['downtime']):>10}"
-                 f"{_fmt_gh(w['lost_work']):>9}{_fmt_gh(w['rescheduling']):>9}{_fmt_gh(w['standby']):>9}"
+                 f"{_fmt_gh(w['lost_work']):>9}{_fmt_gh(w['rescheduling']):>9}{_fmt_gh(w['overhead']):>9}"
+                 f"{_fmt_gh(w['standby']):>9}"
                  f"{_fmt_gh(w['total']):>9}{v['ettr']:>7.3f}  {pe}" + ("  SATURATED" if v["saturated"] else ""))
     if res.get("reduction_vs_best") is not None:
         L.append(f"\nreduction_vs_best: {res['reduction_vs_best']:.1%} less waste than {res['best_alternative']} "
@@ -122,11 +123,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--ckpt-interval-min", type=float, help="checkpoint interval (default 10 min)")
     s.add_argument("--ckpt-interval-steps", type=float, help="checkpoint interval in steps (x --step-s)")
     s.add_argument("--step-s", type=float, help="iteration time at scale (default 7.33 s; bench: its own)")
+    s.add_argument("--overhead", type=float, help="the runtime's steady overhead, charged to the tm_slurm "
+                   "strategies (0.077 = +7.7 %%; default 0, --from-bench: measured)")
     s.add_argument("--hang-fraction", type=float, help="share of unplanned events that are hangs (default 0)")
     s.add_argument("--hang-detect-s", type=float, help="detection delay added to hangs without a measurement")
     s.add_argument("--lost-work", choices=("on", "off"), help="count redone work (default: on; --paper: off)")
     s.add_argument("--events", choices=("linear", "renewal"), help="event-count model (default linear)")
     s.add_argument("--sizes", help="comma-separated GPU counts for the sweep (default 1K..128K)")
+    s.add_argument("--plan-standbys", action="store_true", help="only: the number of standby nodes that "
+                   "maximises goodput at --gpus, and the curve (ETTR vs standbys; --plot writes it, default "
+                   "standbys.png)")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--plot", nargs="?", const="sim.png", metavar="PATH.png",
                    help="write a PNG (default path: ./sim.png)")
@@ -154,6 +160,8 @@ def build_params(args) -> Params:
         p = load_bench(p, args.from_bench)
     if getattr(args, "step_s", None) is not None:
         p.step_s = args.step_s
+    if getattr(args, "overhead", None) is not None:
+        p.runtime_overhead, p.runtime_overhead_source = args.overhead, "override"
     if getattr(args, "ckpt_interval_steps", None) is not None:
         p.ckpt_interval_s = args.ckpt_interval_steps * p.step_s
     for spec in getattr(args, "downtime", None) or []:
@@ -185,7 +193,52 @@ def run(args) -> tuple[dict, Params]:
     return doc, p
 
 
+def _plan(args) -> int:
+    try:
+        p = build_params(args)
+        if args.gpus <= 0:
+            raise ValueError("--gpus must be positive")
+    except (ValueError, OSError, json.JSONDecodeError) as e:
+        print(f"tm-slurm sim: {e}", file=sys.stderr)
+        return 2
+    doc = plan_standbys(p, args.gpus)
+    doc["plot"] = str(plot_standbys(doc, args.plot or "standbys.png"))
+    if args.json:
+        print(json.dumps(_rounded(doc), indent=2))
+        return 0
+    print(f"tm-slurm sim --plan-standbys: {doc['gpus']} GPUs, MTTF {mttf_h(p, args.gpus) * 60:.1f} min, "
+          f"a used standby replaced in {p.standby_replenish_s:g} s")
+    print(f"{'standbys':>8} {'ETTR':>7} {'waste GPU-h/wk':>15} {'misses':>7}")
+    for c in doc["curve"]:
+        mark = "  <- best" if c["standbys"] == doc["standbys"] else ""
+        print(f"{c['standbys']:>8} {c['ettr']:>7.4f} {c['waste_gpu_h_per_week']:>15,.0f} {c['standby_miss_rate']:>7.1%}{mark}")
+    print(f"plot: {doc['plot']}")
+    return 0
+
+
+def plot_standbys(doc: dict, path: str | Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ks = [c["standbys"] for c in doc["curve"]]
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    ax.plot(ks, [c["ettr"] for c in doc["curve"]], "o-")
+    ax.axvline(doc["standbys"], ls="--", color="gray")
+    ax.set_xlabel("standby nodes")
+    ax.set_ylabel("goodput (ETTR)")
+    ax.set_title(f"{doc['gpus']} GPUs: best {doc['standbys']} standbys", fontsize=10)
+    ax2 = ax.twinx()
+    ax2.plot(ks, [c["standby_miss_rate"] for c in doc["curve"]], "s:", color="tab:red", ms=3)
+    ax2.set_ylabel("failures finding no standby", color="tab:red")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
 def main(args) -> int:
+    if getattr(args, "plan_standbys", False):
+        return _plan(args)
     try:
         doc, p = run(args)
     except (ValueError, OSError, json.JSONDecodeError) as e:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import jobdir
+from ..config import Slurm
 from ..demo import TINY_MODEL
 
 NODES = 5
@@ -44,7 +45,9 @@ def cases(intervals=(1, 5, 30)) -> list[Case]:
     for s in intervals:
         out.append(Case(f"tm_slurm, every {s} s", (f"slurm.poll_interval_s={s}", f"slurm.poll_max_interval_s={s}",
                                                    f"slurm.reservation_poll_s={s}")))
-    out.append(Case("tm_slurm, defaults (1 s, backoff to 8 s, reservations 60 s)"))
+    d = Slurm()
+    out.append(Case(f"tm_slurm, defaults ({d.poll_interval_s:g} s, backoff to {d.poll_max_interval_s:g} s, "
+                    f"reservations {d.reservation_poll_s:g} s)"))
     return out
 
 
