@@ -15,7 +15,7 @@ from tm_slurm.comm.sealed import SealedStore
 from tm_slurm.control import codec
 from tm_slurm.control.auth import MAC_BYTES, AuthError, Keys, Sealer, mac
 from tm_slurm.controller.admission import Admission
-from tm_slurm.messages import (Announce, Challenge, GroupBuild, Heartbeat, Hello, Launch, Move, StandbyReady,
+from tm_slurm.messages import (Announce, Challenge, GroupBuild, Heartbeat, Hello, Launch, Move, Ping, StandbyReady,
                                SwapPlan, ToWorkers, Transfer, WorkerInfo, WorkerReport)
 
 KEYS = Keys.derive(b"k" * 32)
@@ -205,3 +205,10 @@ def test_a_hello_that_does_not_answer_the_challenge_is_refused(tmp_path):
     adm, join, log = _admission(tmp_path, [replayed], now)
     (join / "node3").write_bytes(Sealer(KEYS, "job", "node3").seal(Announce("node3", 1)))
     assert adm.poll() == [] and replayed.dead and "challenge" in log[-1][1]["why"]
+
+
+def test_a_broadcast_encodes_once_and_every_link_opens_it():
+    enc = codec.prepare(Ping(3, 1.5))
+    for peer in ("node1", "node2"):
+        tx, rx = Sealer(KEYS, "job", "controller"), Sealer(KEYS, "job", peer, peer="controller")
+        assert rx.open(tx.seal(enc)) == Ping(3, 1.5) == rx.open(tx.seal(Ping(3, 1.5)))

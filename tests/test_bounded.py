@@ -40,3 +40,14 @@ def test_vote_keys_are_deleted_and_the_store_stays_bounded():
     # three keys per kept step (the rank's vote, the count, the decision), whatever the length
     assert m.num_keys() <= 3 * (V.KEYS_KEPT + 1) + 1
     assert not m.check([V.dkey(0, 0)]) and m.check([V.dkey(0, 399)])
+
+
+def test_progress_counts_the_ranks_that_reported_a_step():
+    p = Progress(keep=2)
+    rec = lambda s: (s, 0.1, 0.1, None, 1.0, False)
+    p.add(0, [rec(1), rec(2)])
+    p.add(1, [rec(1)])
+    p.add(1, [rec(1)])                 # again (a rollback): still one record
+    assert p.reported(1) == 2 and p.reported(2) == 1
+    p.add(0, [rec(3)])                 # step 1 of rank 0 falls out of the window
+    assert p.reported(1) == 1 and p.reported(3) == 1

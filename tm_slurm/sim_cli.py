@@ -172,14 +172,14 @@ def build_params(args) -> Params:
         raise ValueError("--hang-fraction must be within 0..1")
     if p.mttf_ref_h <= 0 or p.mttf_ref_gpus <= 0 or p.unplanned_per_planned <= 0:
         raise ValueError("MTTF, its reference size and the unplanned:planned ratio must be positive")
+    if args.gpus <= 0:
+        raise ValueError("--gpus must be positive")
     return p
 
 
 def run(args) -> tuple[dict, Params]:
     """Everything main prints, as a dict (the --json document), and the parameters used."""
     p = build_params(args)
-    if args.gpus <= 0:
-        raise ValueError("--gpus must be positive")
     sizes = SIZES
     if getattr(args, "sizes", None):
         sizes = tuple(int(x) for x in args.sizes.split(",") if x.strip())
@@ -193,15 +193,7 @@ def run(args) -> tuple[dict, Params]:
     return doc, p
 
 
-def _plan(args) -> int:
-    try:
-        p = build_params(args)
-        if args.gpus <= 0:
-            raise ValueError("--gpus must be positive")
-    except (ValueError, OSError, json.JSONDecodeError) as e:
-        print(f"tm-slurm sim: {e}", file=sys.stderr)
-        return 2
-    doc = plan_standbys(p, args.gpus)
+def _show_plan(args, doc: dict, p: Params) -> int:
     doc["plot"] = str(plot_standbys(doc, args.plot or "standbys.png"))
     if args.json:
         print(json.dumps(_rounded(doc), indent=2))
@@ -237,13 +229,18 @@ def plot_standbys(doc: dict, path: str | Path) -> Path:
 
 
 def main(args) -> int:
-    if getattr(args, "plan_standbys", False):
-        return _plan(args)
+    planning = getattr(args, "plan_standbys", False)
     try:
-        doc, p = run(args)
+        if planning:
+            p = build_params(args)
+            doc = plan_standbys(p, args.gpus)
+        else:
+            doc, p = run(args)
     except (ValueError, OSError, json.JSONDecodeError) as e:
         print(f"tm-slurm sim: {e}", file=sys.stderr)
         return 2
+    if planning:
+        return _show_plan(args, doc, p)
     if getattr(args, "plot", None):
         path = plot(doc["sweep"], args.plot, title=f"tm-slurm sim [{doc['mode']}]")
         doc["plot"] = str(path)

@@ -67,7 +67,7 @@ def main(args) -> int:
         return 0
     if args.slurmctld:
         from .slurmctld import measure, table as ctld_table
-        root = Path(args.out or Path.cwd() / "tm_slurm_jobs" / f"slurmctld-{time.strftime('%Y%m%d-%H%M%S')}")
+        root = _out_dir(args, "slurmctld")
         out = measure(root, args.window, say=lambda *a: print(*a, file=sys.stderr, flush=True))
         (root / "slurmctld.json").write_text(json.dumps(out, indent=1))
         print(json.dumps(out, indent=1) if args.json else ctld_table(out))
@@ -76,7 +76,7 @@ def main(args) -> int:
         return _control_plane(args)
     if args.soak:
         from .soak import soak, table as soak_table
-        root = Path(args.out or Path.cwd() / "tm_slurm_jobs" / f"soak-{time.strftime('%Y%m%d-%H%M%S')}")
+        root = _out_dir(args, "soak")
         out = soak(root, args.soak, args.soak_every)
         (root / "soak.json").write_text(json.dumps(out, indent=1))
         print(json.dumps(out, indent=1) if args.json else soak_table(out))
@@ -97,7 +97,7 @@ def main(args) -> int:
     steps, at = (60, 20) if args.quick else (steps, args.at_step)
     hang = min(args.hang_timeout, 10.0) if args.quick else args.hang_timeout
     extra = (["--sleep", str(args.sleep)] if args.sleep else []) + (["--compile"] if args.compile else [])
-    root = Path(args.out or Path.cwd() / "tm_slurm_jobs" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    root = _out_dir(args, "bench")
     root.mkdir(parents=True, exist_ok=True)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True))
     samples: list[runs.Sample] = []
@@ -149,10 +149,15 @@ def main(args) -> int:
     return 0
 
 
+def _out_dir(args, kind: str) -> Path:
+    """--out, or ./tm_slurm_jobs/<kind>-<time>."""
+    return Path(args.out or Path.cwd() / "tm_slurm_jobs" / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
 def _control_plane(args) -> int:
     from .controlplane import measure, table as cp_table
     from .plot import plot_control_plane
-    root = Path(args.out or Path.cwd() / "tm_slurm_jobs" / f"control-plane-{time.strftime('%Y%m%d-%H%M%S')}")
+    root = _out_dir(args, "control-plane")
     root.mkdir(parents=True, exist_ok=True)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True))
     sizes = [int(n) for n in args.nodes.split(",")]

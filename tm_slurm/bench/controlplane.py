@@ -31,6 +31,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from ..messages import Heartbeat, WorkerInfo     # plain dataclasses: no torch, no MPI
+
 HOST = "127.0.0.1"
 SECRET_ENV = "TM_SLURM_BENCH_SECRET"
 
@@ -192,7 +194,6 @@ class Agents:
         self.cpu = 0.0
 
     def beat(self, step: int) -> None:
-        from ..messages import Heartbeat, WorkerInfo
         t = time.thread_time()
         self.seq += 1
         now = time.time()
@@ -221,7 +222,7 @@ def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float 
     from ..controller.core import Controller
     from ..messages import Move, Prepare, Recover, ToWorkers
     from ..planner import plan_planned, plan_recovery
-    from ..roles import JobState
+    from ..roles import JobState, Role
 
     local = node_local(rpn, 105)
     say(f"  node-local vote of {rpn} ranks: p50 {statistics.median(local) * 1e3:.2f} ms")
@@ -282,7 +283,7 @@ def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float 
         rss_end = _rss_mb()
         if any(k.returncode for k in kids):
             raise RuntimeError(f"a voter process failed: {[k.returncode for k in kids]}")
-        failed = [n for n, x in ctl.nodes.nodes.items() if x.role.value == "failed"]
+        failed = [n for n, x in ctl.nodes.nodes.items() if x.role == Role.FAILED]
         # one heartbeat round, opened and dispatched on its own: the cost per agent
         agents.beat(agents.step)
         t = time.thread_time()

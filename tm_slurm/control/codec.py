@@ -123,7 +123,7 @@ def prepare(msg: Any) -> Encoded:
 
 
 def dumps(v: Any) -> bytes:
-    return json.dumps(_enc(v), separators=(",", ":")).encode()
+    return prepare(v).encode()
 
 
 def loads(data: bytes) -> Any:
