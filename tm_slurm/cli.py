@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("agent", help="(internal) the per-node agent")
     a.add_argument("--job-dir", required=True)
     a.add_argument("--node", required=True)
-    a.add_argument("--hb", type=float, default=0.1)
+    a.add_argument("--hb", type=float, default=0.5)
     a.add_argument("--admit-timeout", type=float, default=120.0)
     a.add_argument("--controller-timeout", type=float, default=10.0)
     a.set_defaults(fn=cmd_agent)

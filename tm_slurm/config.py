@@ -39,7 +39,7 @@ class Layout:
 @dataclass(frozen=True)
 class Timeouts:
     """Every timeout of the runtime, in seconds. Their required order is checked in `check()`."""
-    heartbeat_interval_s: float = 0.1      # agent <-> controller, and worker -> agent
+    heartbeat_interval_s: float = 0.5      # agent <-> controller, and worker -> agent
     heartbeat_timeout_s: float = 2.0       # no heartbeat for this long: the peer is suspect
     worker_heartbeat_timeout_s: float = 2.0  # agent's verdict on one of its workers
     fence_grace_s: float = 1.0             # a fenced process must be gone within this
