@@ -11,12 +11,13 @@ import argparse
 import time
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tm_slurm                                                         # tm_slurm
 from tm_slurm.data import SyntheticTokens
+
+from ddp_model import Net
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=60)
@@ -28,23 +29,6 @@ p.add_argument("--lr", type=float, default=3e-3)
 p.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step (a slower job)")
 args = p.parse_args()
 torch.set_num_threads(1)
-
-
-class Net(nn.Module):
-    """A small next-token model: embeddings, two residual MLP blocks, a tied head."""
-
-    def __init__(self, vocab: int, d: int):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(),
-                                                  nn.Linear(4 * d, d)) for _ in range(2))
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, x):
-        h = self.emb(x)
-        for b in self.blocks:
-            h = h + b(h)
-        return self.norm(h) @ self.emb.weight.t()
 
 
 job = tm_slurm.init()                                                   # tm_slurm

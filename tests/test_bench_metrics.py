@@ -84,3 +84,10 @@ def test_a_stall_long_after_the_event_counts_when_the_runtime_says_it_was_then()
     assert M.downtime(steps, t_event)[0] == pytest.approx(0.0)          # outside the window
     dt, d = M.downtime(steps, t_event, t_done=steps[41].wall + 0.01)
     assert dt == pytest.approx(1.5) and d["window_to_step"] == 47
+
+
+def test_a_log_missing_steps_measures_to_the_next_step_it_has():
+    # a process that left took its last report along: steps 21..30 are not in the log
+    steps = [s for s in run(80, gap_after=20, gap=0.5) if not 21 <= s.step <= 30]
+    dt, d = M.downtime(steps, t_event=steps[20].wall + 0.01)
+    assert d["window_to_step"] == 31 and dt == pytest.approx(0.5)

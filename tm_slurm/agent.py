@@ -166,6 +166,8 @@ class Agent:
         if msg.step is not None and not isinstance(msg, Aborted):
             w.step = msg.step
         self.busy_until = time.monotonic() + mpictl.BUSY_FOR_S
+        if any(x.progress for x in self.workers.values()):
+            self.heartbeat(ch)      # progress before the report, which can be a leaving worker's last
         ch.send(WorkerReport(self.node, w.local, msg))
 
     def _read(self, ch, w: WorkerProc) -> None:

@@ -1,6 +1,10 @@
 """The baselines the benchmark measures against must be correct too: an elastic restart (every
 worker restarted in place from a checkpoint) ends bit-identical, and the plain torchrun-style
-run of the same script computes exactly what tm_slurm computes."""
+run of the same script computes exactly what tm_slurm computes; the peer (torchft) runs as its
+users would run it."""
+import json
+from pathlib import Path
+
 import pytest
 
 from tm_slurm.bench import runs
@@ -35,3 +39,16 @@ def test_a_stock_script_under_torchrun_computes_what_it_computes_under_tm_slurm(
     ex = EXAMPLES["llama"]
     _, info = runs.plain_steady(tmp_path, 40, [], ex=ex)
     assert info["digests"] == reference(40, tuple(ex.args()), active=ex.active, script=ex.script)
+
+
+def test_torchft_trains_on_with_fewer_replicas_and_its_result_differs(tmp_path):
+    """The peer in the bench (bench/peers.py), for real: a Lighthouse, two replica groups, one
+    SIGKILLed; the survivor trains on alone, the restarted replica heals from it and rejoins. No
+    step is redone, and the final state is not that of the same torchft job undisturbed."""
+    ex = EXAMPLES["ddp"]
+    s = runs.run(tmp_path, "unplanned", "torchft", 300, 20, 10.0, ["--sleep", "0.05"], ex=ex)
+    d = s.detail
+    assert s.lost_steps == 0 and d["replica_rejoined"] and d["steps_fewer_replicas"] > 0
+    assert not d["bit_identical"] and len(d["digests"]) == 1      # the replicas agree with each other
+    steps = [json.loads(x)["step"] for x in (Path(s.job_dir) / "steps.jsonl").read_text().splitlines()]
+    assert steps == list(range(300))

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ..demo import COMPILE_STEPS, EXAMPLES
-from . import runs
+from . import peers, runs
 from .frames import frame_costs
 from .frames import table as frames_table
 from .metrics import summary
@@ -20,18 +20,21 @@ def add_parser(sub) -> None:
     b.add_argument("--json", action="store_true")
     b.add_argument("--reps", type=int, default=3)
     b.add_argument("--scenarios", default=",".join(runs.SCENARIOS))
-    b.add_argument("--strategies", default=",".join(runs.STRATEGIES))
+    b.add_argument("--strategies", help=f"default: all that can run the example ({','.join(runs.STRATEGIES)}); "
+                   "torchft needs `pip install -e .[peers]` and runs the ddp example only")
     b.add_argument("--steps", type=int, help="steps per run (default 100; 800 with --compile)")
     b.add_argument("--at-step", type=int, default=30,
                    help="the interruption comes at this step (or later: once every standby is warm)")
     b.add_argument("--hang-timeout", type=float, default=30.0,
                    help="collective timeout: how long a hang lasts for the restart strategies")
-    b.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step (slower steps)")
+    b.add_argument("--sleep", type=float, default=0.05, help="seconds each step also waits, as a GPU step "
+                   "leaves its host's CPU idle (0: the CPU-bound worst case, where the runtime's processes "
+                   "compete with the step for this machine's cores)")
     b.add_argument("--compile", action="store_true", help="torch.compile the example (the joiner's "
                    "first step then shows what the sandbox warms)")
-    b.add_argument("--example", choices=sorted(EXAMPLES), default="gpt",
-                   help="the job measured: gpt (DP=2 x PP=2, the low-level API), ddp (a stock DDP loop), "
-                   "fsdp (a stock FSDP2 loop) or llama (a Llama-style decoder, HSDP 2 x 2)")
+    b.add_argument("--example", choices=sorted(EXAMPLES), default="ddp",
+                   help="the job measured: ddp (a stock DDP loop, the one every strategy can run), gpt (DP=2 x "
+                   "PP=2, the low-level API), fsdp (a stock FSDP2 loop) or llama (a Llama-style decoder, HSDP 2 x 2)")
     b.add_argument("--pairs", type=int, default=3, help="steady-state overhead: back-to-back runs "
                    "with and without the runtime; the median of their ratios is reported, with the spread")
     b.add_argument("--out", help="default: ./tm_slurm_jobs/bench-<time>")
@@ -82,7 +85,7 @@ def main(args) -> int:
         print(json.dumps(out, indent=1) if args.json else soak_table(out))
         return 0 if out["rc"] == 0 else 1
     scenarios = args.scenarios.split(",") if not args.quick else ["planned", "unplanned"]
-    strategies = args.strategies.split(",")
+    strategies = (args.strategies or ",".join(runs.STRATEGIES)).split(",")
     bad = [s for s in scenarios if s not in runs.SCENARIOS] + [s for s in strategies if s not in runs.STRATEGIES]
     if bad:
         print(f"tm-slurm bench: unknown {bad}; scenarios {runs.SCENARIOS}, strategies {runs.STRATEGIES}",
@@ -92,14 +95,24 @@ def main(args) -> int:
     if args.compile and ex.name != "gpt":
         print(f"tm-slurm bench: --compile is an option of the gpt example, not of {ex.name}", file=sys.stderr)
         return 2
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True))
+    for st in [s for s in strategies if s in peers.PEERS]:
+        why = peers.unavailable(st, ex)
+        if why and args.strategies:
+            print(f"tm-slurm bench: {why}", file=sys.stderr)
+            return 2
+        if why:
+            say(f"  {why}: left out")
+            strategies.remove(st)
     reps = 1 if args.quick else args.reps
-    steps = args.steps or (COMPILE_STEPS if args.compile else 100)
-    steps, at = (60, 20) if args.quick else (steps, args.at_step)
+    steps = args.steps or (COMPILE_STEPS if args.compile else 150)
+    # long enough after the interruption for a restarted process to come back (a torchft
+    # replica rejoins only once its process has started: seconds here)
+    steps, at = (150, 20) if args.quick else (steps, args.at_step)
     hang = min(args.hang_timeout, 10.0) if args.quick else args.hang_timeout
     extra = (["--sleep", str(args.sleep)] if args.sleep else []) + (["--compile"] if args.compile else [])
     root = _out_dir(args, "bench")
     root.mkdir(parents=True, exist_ok=True)
-    say = (lambda *a: print(*a, file=sys.stderr, flush=True))
     samples: list[runs.Sample] = []
     t0 = time.monotonic()
     if args.analyze:
@@ -187,6 +200,14 @@ def report(samples, scenarios, strategies, pairs: list[tuple[float, float]]) -> 
                       if i.get("joiner_first_step_s") is not None]
             if firsts:      # the swap strategies: how warm the joiner was (sandboxed or cold)
                 row[st]["joiner_first_step_s"] = round(statistics.median(firsts), 4)
+            if all("steps_fewer_replicas" in s.detail for s in xs):
+                # a peer that trains on with fewer replicas: the samples it did not train on, as
+                # seconds of steady training, and whether its result is that of an undisturbed run
+                lost = statistics.median(s.detail["samples_lost_steps"] * s.steady_step_s for s in xs)
+                row[st].update(steps_fewer_replicas=statistics.median(s.detail["steps_fewer_replicas"] for s in xs),
+                               samples_lost_s=round(lost, 4),
+                               replica_rejoined=all(s.detail["replica_rejoined"] for s in xs),
+                               bit_identical=all(s.detail["bit_identical"] for s in xs))
         tm = row.get("tm_slurm", {}).get("downtime_s")
         for st, r in row.items():
             r["ratio_vs_tm"] = round(r["downtime_s"] / tm, 2) if tm and tm > 0 else None
@@ -212,6 +233,14 @@ def table(out: dict) -> str:
             if "joiner_first_step_s" in r:
                 lines.append(f"{sc}: {st} joiner's first step {r['joiner_first_step_s']:.3f}s "
                              f"(steady {r['steady_step_s']:.3f}s)")
+    for sc, row in out["scenarios"].items():
+        for st, r in row.items():
+            if "steps_fewer_replicas" in r:
+                lines.append(f"{sc}: {st} trained {r['steps_fewer_replicas']:g} steps with fewer replicas "
+                             f"(their lost samples: {r['samples_lost_s']:.3f}s of training); the restarted replica "
+                             f"{'rejoined' if r['replica_rejoined'] else 'had not rejoined when the run ended'}; "
+                             f"final state {'equal to' if r['bit_identical'] else 'NOT bit-identical to'} "
+                             f"the same job undisturbed")
     if "frames" in out:
         lines.append(frames_table(out["frames"]))
     s = out["steady_step_s"]

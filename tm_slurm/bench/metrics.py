@@ -47,7 +47,9 @@ def downtime(steps: list[Step], t_event: float, window: int = 6,
     start = last.step
     if t_done is not None:
         start = max([start] + [s.step for s in after if s.wall <= t_done])
-    target = min(start + window, max(s.step for s in after))
+    # the first step logged at or past the window (a log can miss steps: a process that left
+    # took its last report along)
+    target = min((s.step for s in after if s.step >= start + window), default=max(s.step for s in after))
     t_k = max(s.wall for s in after if s.step == target)
     dt = (t_k - last.wall) - (target - last.step) * p
     redone = max(0, last.step + 1 - min(s.step for s in after))

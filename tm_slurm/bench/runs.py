@@ -4,6 +4,8 @@ tm_slurm             warm general standby (sandbox), two-phase delta swap
 tm_slurm-no-standby  the same swap, but the joiner's process starts only after the event (cold)
 elastic-restart      torchrun-style: every worker restarted in place from the last checkpoint
                      (the runtime's `recovery.strategy: restart`), a spare node cold
+torchft              the ddp example as a torchft job (bench/peers.py): the others train on
+                     with fewer replicas while the lost one restarts cold and heals from a peer
 checkpoint-restart   what `sbatch --requeue` or a restart loop does: the whole job goes down,
                      a new one starts (fresh processes, every group re-initialised) and resumes
                      from the last checkpoint (planned: one written on request just before)
@@ -24,9 +26,9 @@ from .. import events as evlog
 from .. import jobdir
 from ..controller.requests import submit
 from ..demo import EXAMPLES, Example, JobRun
-from . import metrics
+from . import metrics, peers
 
-STRATEGIES = ("tm_slurm", "tm_slurm-no-standby", "checkpoint-restart", "elastic-restart")
+STRATEGIES = ("tm_slurm", "tm_slurm-no-standby", "checkpoint-restart", "elastic-restart", *peers.PEERS)
 SCENARIOS = ("planned", "unplanned", "hang")
 GPT = EXAMPLES["gpt"]            # interrupted at node2: rank 1, first stage, DP replica 1
 CKPT_EVERY = 10
@@ -82,6 +84,8 @@ def run(root: Path, scenario: str, strategy: str, steps: int, at_step: int, hang
     args = [*MODEL, *script_args]
     if strategy == "checkpoint-restart":
         t_event, info = _checkpoint_restart(job, scenario, steps, at_step, hang_timeout, args, timeout, ex)
+    elif strategy == "torchft":
+        t_event, info = peers.run(job, scenario, steps, at_step, hang_timeout, args, timeout, ex)
     else:
         r = JobRun(job, f"{ex.active}+1", steps, [(at_step, _verb(scenario), ex.drain)], script_args=args,
                    sets=_sets(strategy, scenario, hang_timeout, ex), extra_args=ex.args(), script=ex.script)
@@ -111,8 +115,9 @@ def _done_at(job: Path, t_event: float) -> float | None:
 def analyze(job: Path) -> Sample:
     """A sample from its job directory (`bench-sample.json` says what was done when)."""
     meta = json.loads((job / "bench-sample.json").read_text())
-    dt, d = metrics.downtime(_steps(job), meta["t_event"], t_done=_done_at(job, meta["t_event"]))
-    info = {k: v for k, v in meta.items() if k not in ("scenario", "strategy", "t_event")}
+    t_done = meta["t_done"] if "t_done" in meta else _done_at(job, meta["t_event"])
+    dt, d = metrics.downtime(_steps(job), meta["t_event"], t_done=t_done)
+    info = {k: v for k, v in meta.items() if k not in ("scenario", "strategy", "t_event", "t_done")}
     return Sample(meta["scenario"], meta["strategy"], dt, d["lost_steps"], d["steady_step_s"], str(job),
                   {**d, **info})
 

@@ -25,18 +25,21 @@ class Wire:
         self._rbuf = bytearray()
 
     def send_bootstrap(self, secret: bytes) -> bool:
-        return self._send_frame(secret)
+        with self._wlock:
+            return self._send_frame(secret)
 
     def recv_bootstrap(self) -> bytes:
         return self._recv_frame()
 
     def send(self, msg: Any) -> bool:
-        return self._send_frame(self.sealer.seal(msg))
+        # sealed under the lock: a worker sends from two threads (its loop, its heartbeat), and
+        # frames sealed in one order but written in the other are refused as replays
+        with self._wlock:
+            return self._send_frame(self.sealer.seal(msg))
 
     def _send_frame(self, data: bytes) -> bool:
         try:
-            with self._wlock:
-                self.sock.sendall(_HDR.pack(len(data)) + data)
+            self.sock.sendall(_HDR.pack(len(data)) + data)
             return True
         except OSError:
             return False

@@ -31,11 +31,15 @@ class Inbox:
         self._plock = threading.Lock()
 
     def start(self, hb_interval: float, status: Callable[[], tuple]) -> None:
+        self._status = status
         threading.Thread(target=self._read, name="tm-inbox", daemon=True).start()
-        threading.Thread(target=self._beat, args=(hb_interval, status), name="tm-heartbeat",
-                         daemon=True).start()
+        threading.Thread(target=self._beat, args=(hb_interval,), name="tm-heartbeat", daemon=True).start()
 
     def send(self, report: Report) -> None:
+        if self._progress and not isinstance(report, Beat):
+            # the steps committed since the last beat go first: a report can be the last word
+            # before the process leaves (a swap, a checkpoint and exit), and they would be lost
+            self.beat()
         if not self.wire.send(report):
             os._exit(Exit.AGENT_GONE)
 
@@ -74,10 +78,13 @@ class Inbox:
                 self.stop_reason = msg.reason
                 self._both(msg)
 
-    def _beat(self, interval: float, status: Callable[[], tuple]) -> None:
+    def _beat(self, interval: float) -> None:
         while True:
             time.sleep(interval)
-            with self._plock:
-                prog, self._progress = self._progress, []
-            gen, rank, step, committed = status()
-            self.send(Beat(gen, rank, step, committed=committed, progress=prog))
+            self.beat()
+
+    def beat(self) -> None:
+        with self._plock:
+            prog, self._progress = self._progress, []
+        gen, rank, step, committed = self._status()
+        self.send(Beat(gen, rank, step, committed=committed, progress=prog))

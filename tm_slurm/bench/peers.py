@@ -1,0 +1,195 @@
+"""The system a user would pick instead, in the same bench: torchft (`pip install -e .[peers]`).
+
+The ddp example written as a torchft job (sbatch/ddp_torchft.py): one process per replica group
+(a node here), a Lighthouse started by the bench (in the bench's process), gloo on CPU, the same model,
+data, seeds, steps and checkpoint cadence. An interruption hits the node's replica group: a kill
+is a SIGKILL; a drain is a SIGKILL too (torchft has no way to hand a node's work over); a hang is
+a SIGSTOP, and the process is killed once the collective timeout has passed, as the other restart
+strategies are. The replica's supervisor (torchelastic or Slurm on a spare node) starts it again
+at once, cold; it heals from a live peer while the survivors train on without it.
+
+The job's commit log is that of a replica never interrupted: it takes part in every step the job
+commits. The interruption is over when the restarted replica commits its first step. What
+torchft does differently shows in the sample: steps trained with fewer replicas, and whether the
+final state equals that of the same torchft job undisturbed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from functools import cache
+from pathlib import Path
+
+from .. import jobdir
+from ..config import Timeouts
+from ..demo import SBATCH, Example
+
+PEERS = ("torchft",)
+SCRIPT = SBATCH / "ddp_torchft.py"
+
+
+def unavailable(strategy: str, ex: Example) -> str | None:
+    """Why `strategy` cannot run the example here, or None."""
+    if ex.name != "ddp":
+        return f"{strategy} runs only the ddp example (sbatch/ddp_torchft.py); use --example ddp"
+    try:
+        _torchft()
+    except ImportError as e:
+        return f"{strategy} is not installed ({e}): pip install -e '.[peers]'"
+    return None
+
+
+def _torchft():
+    # its Rust side logs every quorum at INFO unless RUST_LOG says otherwise (read at import);
+    # the replicas inherit the setting
+    os.environ.setdefault("RUST_LOG", "warn")
+    import torchft._torchft
+    return torchft._torchft
+
+
+class FtJob:
+    """A Lighthouse and one process per replica group, in `out`."""
+
+    def __init__(self, out: Path, replicas: int, steps: int, script_args: list[str], collective_timeout: float,
+                 checkpoint_every: int):
+        # the Lighthouse declares a replica gone after the runtime's heartbeat timeout: the same
+        # detection time tm_slurm's agents get
+        ms = int(Timeouts().heartbeat_timeout_s * 1000)
+        self.out, self.replicas = out, replicas
+        out.mkdir(parents=True)
+        self.lighthouse = _torchft().LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=ms,
+                                           heartbeat_timeout_ms=ms)
+        self.argv = [sys.executable, str(SCRIPT), "--steps", str(steps), *script_args, "--replicas", str(replicas),
+                     "--lighthouse", self.lighthouse.address(), "--timeout", str(collective_timeout),
+                     "--checkpoint-every", str(checkpoint_every)]
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.restarted: dict[int, subprocess.Popen] = {}
+        self.logs: list[Path] = []
+
+    def start(self, timeout: float) -> None:
+        """Every replica up and heartbeating before the first step, so all are in the first quorum."""
+        go = self.out / "go"
+        for r in range(self.replicas):
+            self.procs[r] = self._spawn(r, self.out / f"r{r}", ["--start-file", str(go)])
+        end = time.monotonic() + timeout
+        while not all((self.out / f"r{r}" / f"ready-r{r}").exists() for r in range(self.replicas)):
+            self._check(end)
+            time.sleep(0.05)
+        go.touch()
+
+    def _spawn(self, r: int, d: Path, extra: list[str] = ()) -> subprocess.Popen:
+        d.mkdir()
+        self.logs.append(d / f"steps-r{r}.jsonl")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SBATCH.parent), os.environ.get("PYTHONPATH")]))}
+        with open(d / "log", "w") as log:
+            return subprocess.Popen([*self.argv, "--replica", str(r), "--out", str(d), *extra], env=env,
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _check(self, end: float) -> None:
+        if time.monotonic() > end:
+            raise TimeoutError(f"torchft job {self.out} did not finish in time")
+        for r, p in self.procs.items():
+            if p.poll() not in (None, 0, -signal.SIGKILL):
+                raise RuntimeError(f"torchft replica {r} failed (exit {p.returncode}): "
+                                   f"{(self.out / f'r{r}' / 'log').read_text()[-1500:]}")
+
+    def committed(self, r: int, restarted: bool = False) -> list[dict]:
+        """Replica `r`'s commits: step, commit wall time, participants."""
+        f = self.out / (f"r{r}-restarted" if restarted else f"r{r}") / f"steps-r{r}.jsonl"
+        # a line being written has no closing brace yet
+        return [json.loads(x) for x in (f.read_text().splitlines() if f.exists() else ()) if x.endswith("}")]
+
+    def interrupt(self, r: int, how: str, hang_s: float) -> float:
+        """Interrupt replica `r` (kill, or hang until the collective timeout has passed, then
+        kill), and let its supervisor start it again. Returns the interruption's wall time."""
+        p = self.procs[r]
+        t = time.time()
+        os.killpg(p.pid, signal.SIGSTOP if how == "hang" else signal.SIGKILL)
+        if how == "hang":
+            time.sleep(hang_s)
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        self.restarted[r] = self._spawn(r, self.out / f"r{r}-restarted")
+        return t
+
+    def wait(self, timeout: float) -> None:
+        """Until the replicas that were not interrupted have done every step. A restarted replica
+        that has not rejoined by then is stopped: alone, it would start the job over."""
+        end = time.monotonic() + timeout
+        survivors = [p for r, p in self.procs.items() if r not in self.restarted]
+        while any(p.poll() is None for p in survivors):
+            self._check(end)
+            time.sleep(0.05)
+        bad = [p.returncode for p in survivors if p.returncode != 0]
+        if bad:
+            raise RuntimeError(f"torchft job {self.out}: replicas exited {bad}")
+        for r, p in self.restarted.items():
+            try:
+                p.wait(timeout=10 if self.committed(r, restarted=True) else 0)
+            except subprocess.TimeoutExpired:
+                pass                        # close() kills it
+
+    def close(self) -> None:
+        for p in [*self.procs.values(), *self.restarted.values()]:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        self.lighthouse.shutdown()
+
+    def finals(self) -> list[dict]:
+        return [json.loads(f.read_text()) for f in sorted(self.out.glob("r*/final-r*.json"))]
+
+
+def run(job: Path, scenario: str, steps: int, at_step: int, hang_timeout: float, script_args: list[str],
+        timeout: float, ex: Example) -> tuple[float, dict]:
+    """One torchft sample; writes the job's merged commit log where the bench reads it."""
+    from .runs import CKPT_EVERY
+    victim = (ex.drain if scenario == "planned" else ex.kill)
+    r = int(victim.removeprefix("node")) - 1           # node1 holds replica 0, node2 replica 1
+    # every step the job commits, a replica never interrupted commits: its log is the job's
+    survivor = min(set(range(ex.active)) - {r})
+    reference = _undisturbed(job.parent, steps, tuple(script_args), hang_timeout, timeout, ex)
+    ft = FtJob(job, ex.active, steps, script_args, hang_timeout, CKPT_EVERY)
+    try:
+        ft.start(timeout)
+        end = time.monotonic() + timeout
+        while not (log := ft.committed(survivor)) or log[-1]["step"] < at_step:
+            ft._check(end)
+            time.sleep(0.005)
+        t_event = ft.interrupt(r, "hang" if scenario == "hang" else "kill", hang_timeout)
+        ft.wait(timeout)
+    finally:
+        ft.close()
+    log = ft.committed(survivor)
+    jobdir.steps_file(job).write_text("".join(json.dumps({k: d[k] for k in ("step", "wall", "dur_s")}) + "\n"
+                                              for d in log))
+    back = ft.committed(r, restarted=True)
+    digests = {d["digest"] for d in ft.finals()}
+    fewer = [d for d in log if d["participants"] < ex.active]
+    return t_event, {"t_done": back[0]["wall"] if back else None, "replica_rejoined": bool(back),
+                     "steps_fewer_replicas": len(fewer),
+                     # a step with p of n replicas trains on p/n of the global batch
+                     "samples_lost_steps": round(sum(1 - d["participants"] / ex.active for d in fewer), 2),
+                     "bit_identical": digests == {reference}, "digests": sorted(digests)}
+
+
+@cache
+def _undisturbed(root: Path, steps: int, script_args: tuple[str, ...], collective_timeout: float, timeout: float,
+                 ex: Example) -> str:
+    """The final digest of the same torchft job undisturbed: once per bench directory."""
+    from .runs import CKPT_EVERY
+    out = root / f"torchft-undisturbed-{time.strftime('%H%M%S')}"
+    ft = FtJob(out, ex.active, steps, list(script_args), collective_timeout, CKPT_EVERY)
+    try:
+        ft.start(timeout)
+        ft.wait(timeout)
+    finally:
+        ft.close()
+    digests = {d["digest"] for d in ft.finals()}
+    if len(digests) != 1:
+        raise RuntimeError(f"torchft's undisturbed replicas ended with different states; see {out}")
+    return digests.pop()
