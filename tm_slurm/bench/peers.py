@@ -61,14 +61,13 @@ class FtJob:
         ms = int(Timeouts().heartbeat_timeout_s * 1000)
         self.out, self.replicas = out, replicas
         out.mkdir(parents=True)
-        self.lighthouse = _torchft().LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=ms,
-                                           heartbeat_timeout_ms=ms)
+        self.lighthouse = _torchft().LighthouseServer(bind="127.0.0.1:0", min_replicas=1,
+                                                      join_timeout_ms=ms, heartbeat_timeout_ms=ms)
         self.argv = [sys.executable, str(SCRIPT), "--steps", str(steps), *script_args, "--replicas", str(replicas),
                      "--lighthouse", self.lighthouse.address(), "--timeout", str(collective_timeout),
                      "--checkpoint-every", str(checkpoint_every)]
         self.procs: dict[int, subprocess.Popen] = {}
         self.restarted: dict[int, subprocess.Popen] = {}
-        self.logs: list[Path] = []
 
     def start(self, timeout: float) -> None:
         """Every replica up and heartbeating before the first step, so all are in the first quorum."""
@@ -77,19 +76,17 @@ class FtJob:
             self.procs[r] = self._spawn(r, self.out / f"r{r}", ["--start-file", str(go)])
         end = time.monotonic() + timeout
         while not all((self.out / f"r{r}" / f"ready-r{r}").exists() for r in range(self.replicas)):
-            self._check(end)
+            self.check(end)
             time.sleep(0.05)
         go.touch()
 
     def _spawn(self, r: int, d: Path, extra: list[str] = ()) -> subprocess.Popen:
         d.mkdir()
-        self.logs.append(d / f"steps-r{r}.jsonl")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SBATCH.parent), os.environ.get("PYTHONPATH")]))}
         with open(d / "log", "w") as log:
-            return subprocess.Popen([*self.argv, "--replica", str(r), "--out", str(d), *extra], env=env,
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            return subprocess.Popen([*self.argv, "--replica", str(r), "--out", str(d), *extra], stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
 
-    def _check(self, end: float) -> None:
+    def check(self, end: float) -> None:
         if time.monotonic() > end:
             raise TimeoutError(f"torchft job {self.out} did not finish in time")
         for r, p in self.procs.items():
@@ -122,7 +119,7 @@ class FtJob:
         end = time.monotonic() + timeout
         survivors = [p for r, p in self.procs.items() if r not in self.restarted]
         while any(p.poll() is None for p in survivors):
-            self._check(end)
+            self.check(end)
             time.sleep(0.05)
         bad = [p.returncode for p in survivors if p.returncode != 0]
         if bad:
@@ -146,7 +143,7 @@ class FtJob:
 
 def run(job: Path, scenario: str, steps: int, at_step: int, hang_timeout: float, script_args: list[str],
         timeout: float, ex: Example) -> tuple[float, dict]:
-    """One torchft sample; writes the job's merged commit log where the bench reads it."""
+    """One torchft sample; writes the job's commit log where the bench reads it."""
     from .runs import CKPT_EVERY
     victim = (ex.drain if scenario == "planned" else ex.kill)
     r = int(victim.removeprefix("node")) - 1           # node1 holds replica 0, node2 replica 1
@@ -158,8 +155,8 @@ def run(job: Path, scenario: str, steps: int, at_step: int, hang_timeout: float,
         ft.start(timeout)
         end = time.monotonic() + timeout
         while not (log := ft.committed(survivor)) or log[-1]["step"] < at_step:
-            ft._check(end)
-            time.sleep(0.005)
+            ft.check(end)
+            time.sleep(0.01)
         t_event = ft.interrupt(r, "hang" if scenario == "hang" else "kill", hang_timeout)
         ft.wait(timeout)
     finally:
