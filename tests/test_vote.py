@@ -78,3 +78,11 @@ def test_abort_reaches_a_new_generation_whose_first_step_is_not_the_lower_bound(
 def test_missing_voter_times_out_into_abort(store):
     d = V.vote(client(store), 0, 0, 2, True, 0.3, 0)
     assert not d.commit and "no decision" in d.why
+
+
+def test_abort_walks_past_steps_the_controller_has_not_heard_of(store):
+    # the ranks committed steps 0..6; the heartbeats that say so have not arrived yet
+    for step in range(7):
+        vote_all(store, 2, 0, step, [True, True])
+    assert V.abort_in_flight(store, 0, 2, 3, "node failed") == (0, 7)
+    assert not V.vote(client(store), 0, 7, 2, True, 5.0, 0).commit

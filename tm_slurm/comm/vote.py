@@ -125,10 +125,12 @@ def abort_in_flight(store, gen: int, lo: int, hi: int, why: str) -> tuple[int, i
     not start at a known number, so the range is what the ranks report they are working on,
     plus one). Steps are decided in order, so once one is aborted nothing after it can commit;
     aborting steps nobody reaches is harmless (a recovery always moves to a new generation).
+    What the ranks report reaches the controller with their heartbeats, so the ranks may be
+    further on: the walk goes on through committed steps until it has aborted one.
     Returns (generation, first aborted step) where the ranks are."""
     first = None
     step = max(lo, 0)
-    while step <= max(hi, lo):
+    while step <= max(hi, lo) or first is None:
         d = abort(store, gen, step, why)
         if d.commit:
             if d.switch is not None:
@@ -137,7 +139,7 @@ def abort_in_flight(store, gen: int, lo: int, hi: int, why: str) -> tuple[int, i
         elif first is None:
             first = step
         step += 1
-    return gen, first if first is not None else step
+    return gen, first
 
 
 def set_pending(store, gen: int, *, plan_id: int | None = None, gen_to: int | None = None,
