@@ -359,9 +359,39 @@ def plan_standbys(params: Params, gpus: int, most: int = 16) -> dict:
         r = project(p, gpus)["strategies"]["tm_slurm"]
         curve.append({"standbys": k, "ettr": r["ettr"], "waste_gpu_h_per_week": r["wasted_gpu_hours_per_week"]["total"],
                       "standby_miss_rate": r["standby_miss_fraction"]})
-    best = max(curve, key=lambda c: (round(c["ettr"], 9), -c["standbys"]))     # a tie: fewer nodes
-    return {"gpus": int(gpus), "standbys": best["standbys"], "ettr": best["ettr"], "curve": curve,
-            "model": "analytic (Erlang-B standby misses, linear event count)"}
+    return pick_standbys(gpus, curve, "analytic (Erlang-B standby misses, linear event count)")
+
+
+def pick_standbys(gpus: int, curve: list[dict], model: str) -> dict:
+    """The standby count of `curve` with the highest ETTR; a tie goes to fewer nodes."""
+    best = max(curve, key=lambda c: (round(c["ettr"], 9), -c["standbys"]))
+    return {"gpus": int(gpus), "standbys": best["standbys"], "ettr": best["ettr"], "curve": curve, "model": model}
+
+
+# What --sensitivity varies, one at a time around the given parameters.
+SENSITIVITY = {
+    "rescheduling_s": (0, 30, 60, 120, 240, 480, 900),
+    "mttf_ref_h": (0.75, 1.5, 3, 6, 12, 24),
+    "standbys": tuple(range(9)),
+}
+
+
+def sensitivity(params: Params, gpus: int) -> dict:
+    """reduction_vs_best at `gpus` against the rescheduling cost, the MTTF (at mttf_ref_gpus) and
+    tm_slurm's standby count, each varied alone (analytic model)."""
+    out = {}
+    for knob, values in SENSITIVITY.items():
+        curve = []
+        for v in values:
+            p = copy.deepcopy(params)
+            if knob == "standbys":
+                p.strategies["tm_slurm"].standby_nodes = v
+            else:
+                setattr(p, knob, v)
+            r = project(p, gpus)
+            curve.append({knob: v, "reduction_vs_best": r["reduction_vs_best"], "best_alternative": r["best_alternative"]})
+        out[knob] = curve
+    return {"gpus": int(gpus), "curves": out}
 
 
 def sweep(params: Params, sizes=SIZES) -> list[dict]:

@@ -3,13 +3,15 @@ The model itself is `tm_slurm/sim.py`."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
 from pathlib import Path
 
+from . import simdes
 from .sim import (SIZES, Params, apply_override, default_params, inputs_dict, load_bench, mttf_h, paper_check,
-                  paper_params, params_dict, plan_standbys, project, sweep)
+                  paper_params, params_dict, plan_standbys, project, sensitivity, sweep)
 
 # ---------------------------------------------------------------- output
 
@@ -133,6 +135,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--plan-standbys", action="store_true", help="only: the number of standby nodes that "
                    "maximises goodput at --gpus, and the curve (ETTR vs standbys; --plot writes it, default "
                    "standbys.png)")
+    d = s.add_argument_group("discrete-event simulation (issue 16; either of --trace, --gaps runs it)")
+    d.add_argument("--trace", metavar="NAME|FILE", help=f"interruptions from a trace: {', '.join(simdes.TRACES)} "
+                   "(the Llama 3 report's 54 days on 16K GPUs by cause, rate scaled to --gpus) or a JSON/CSV file "
+                   "of events {time_h, kind planned|unplanned|hang, nodes}")
+    d.add_argument("--gaps", choices=simdes.GAPS, help="gaps between drawn events (same mean rate); without "
+                   "--trace the rate is the analytic model's MTTF")
+    d.add_argument("--weibull-shape", type=float, help="Weibull shape k for --gaps weibull (default 0.7)")
+    d.add_argument("--weeks", type=float, help="simulated weeks per seed (default 4)")
+    d.add_argument("--seeds", type=int, help="seeds, for the 95%% intervals (default 20; --plan-standbys: 5)")
+    d.add_argument("--seed", type=int, help="first seed (default 0)")
+    d.add_argument("--ckpt-write-s", type=float, help="checkpoint write cost, sets the Young/Daly interval "
+                   "(default 60 s, assumed)")
+    s.add_argument("--sensitivity", nargs="?", const="sensitivity.png", metavar="PATH.png",
+                   help="only: reduction_vs_best against rescheduling cost, MTTF and standbys (analytic "
+                   "model), drawn to PATH (default ./sensitivity.png)")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--plot", nargs="?", const="sim.png", metavar="PATH.png",
                    help="write a PNG (default path: ./sim.png)")
@@ -193,12 +210,94 @@ def run(args) -> tuple[dict, Params]:
     return doc, p
 
 
+def des_config(args) -> simdes.DESConfig:
+    """The discrete-event run's settings; an unknown trace name or a bad number is a ValueError."""
+    c = simdes.DESConfig(trace=None)
+    trace = getattr(args, "trace", None)
+    if trace is not None and trace not in simdes.TRACES and not Path(trace).is_file():
+        raise ValueError(f"--trace {trace!r}: neither a trace name ({', '.join(simdes.TRACES)}) nor a file")
+    kw = {"trace": trace}
+    for attr in ("gaps", "weibull_shape", "weeks", "seed", "ckpt_write_s"):
+        if getattr(args, attr, None) is not None:
+            kw[attr] = getattr(args, attr)
+    kw["seeds"] = args.seeds if args.seeds is not None else (5 if args.plan_standbys else c.seeds)
+    if getattr(args, "ckpt_interval_min", None) is not None:
+        kw["ckpt_interval_s"] = args.ckpt_interval_min * 60
+    if getattr(args, "hang_detect_s", None) is not None:
+        kw.update(hang_detect_tm_s=args.hang_detect_s, hang_detect_restart_s=args.hang_detect_s)
+    c = dataclasses.replace(c, **kw)
+    if c.weibull_shape <= 0 or c.weeks <= 0 or c.seeds < 1 or c.ckpt_write_s < 0:
+        raise ValueError("--weibull-shape and --weeks must be positive, --seeds at least 1, --ckpt-write-s >= 0")
+    return c
+
+
+def run_des(args) -> tuple[dict, Params]:
+    p = simdes.with_overhead(build_params(args))
+    cfg = des_config(args)
+    doc = simdes.simulate(p, cfg, args.gpus)
+    doc.update(inputs=simdes.inputs(p, cfg, args.gpus, doc), notes=list(p.notes))
+    return doc, p
+
+
+def render_des(doc: dict) -> str:
+    L = [f"tm-slurm sim [discrete-event]  {doc['gpus']} GPUs, trace {doc['trace'] or 'analytic MTTF'}"
+         f"{', gaps ' + doc['gaps'] if doc['gaps'] else ''}, {doc['weeks']:g} weeks x {doc['seeds']} seeds; "
+         f"checkpoint every {doc['checkpoint_interval_s']:.0f} s", "",
+         f"{'strategy':<22}{'events/wk':>10}  {'waste GPU-h/wk [95% CI]':<28}{'ETTR [95% CI]':<23}misses"]
+    for k, v in doc["strategies"].items():
+        w, e = v["waste_ci"], v["ettr_ci"]
+        miss = "-" if v["standby_miss_rate"] is None else f"{v['standby_miss_rate']:.1%}"
+        waste = f"{_fmt_gh(v['waste_gpu_h_per_week'])} [{_fmt_gh(w[0])}, {_fmt_gh(w[1])}]"
+        L.append(f"{k:<22}{v['events_per_week']:>10.1f}  {waste:<28}{v['ettr']:.3f} [{e[0]:.3f}, {e[1]:.3f}]   {miss}")
+    if doc.get("reduction_vs_best") is not None:
+        lo, hi = doc["reduction_vs_best_ci"]
+        L.append(f"\nreduction_vs_best: {doc['reduction_vs_best']:.1%} [{lo:.1%}, {hi:.1%}] "
+                 f"(best alternative: {doc['best_alternative']})")
+    L.append("\ninputs:")
+    L.extend(f"  {i['name']} = {_rounded(i['value'])} {i['unit']} ({i['source']})" for i in doc["inputs"])
+    return "\n".join(L)
+
+
+def _show_sensitivity(args) -> int:
+    doc = sensitivity(build_params(args), args.gpus)
+    doc["plot"] = str(plot_sensitivity(doc, args.sensitivity))
+    if args.json:
+        print(json.dumps(_rounded(doc), indent=2))
+        return 0
+    for knob, curve in doc["curves"].items():
+        print(f"{knob:>15}: " + "  ".join(f"{c[knob]:g}->{c['reduction_vs_best']:.1%}" for c in curve))
+    print(f"plot: {doc['plot']}")
+    return 0
+
+
+def plot_sensitivity(doc: dict, path: str | Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = {"rescheduling_s": "rescheduling cost (s)", "mttf_ref_h": "MTTF at the reference size (h)",
+              "standbys": "tm_slurm standby nodes"}
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8), sharey=True)
+    for ax, (knob, curve) in zip(axes, doc["curves"].items()):
+        ax.plot([c[knob] for c in curve], [c["reduction_vs_best"] for c in curve], "o-")
+        ax.set_xlabel(labels.get(knob, knob))
+        ax.axhline(0, color="gray", lw=.8)
+        ax.grid(True, alpha=.3)
+    axes[1].set_xscale("log", base=2)
+    axes[0].set_ylabel("reduction_vs_best")
+    fig.suptitle(f"{doc['gpus']} GPUs: tm_slurm's waste vs the best other strategy (analytic)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
 def _show_plan(args, doc: dict, p: Params) -> int:
     doc["plot"] = str(plot_standbys(doc, args.plot or "standbys.png"))
     if args.json:
         print(json.dumps(_rounded(doc), indent=2))
         return 0
-    print(f"tm-slurm sim --plan-standbys: {doc['gpus']} GPUs, MTTF {mttf_h(p, args.gpus) * 60:.1f} min, "
+    mttf_min = doc["failure_mttf_s"] / 60 if "failure_mttf_s" in doc else mttf_h(p, args.gpus) * 60
+    print(f"tm-slurm sim --plan-standbys [{doc['model']}]: {doc['gpus']} GPUs, MTTF {mttf_min:.1f} min, "
           f"a used standby replaced in {p.standby_replenish_s:g} s")
     print(f"{'standbys':>8} {'ETTR':>7} {'waste GPU-h/wk':>15} {'misses':>7}")
     for c in doc["curve"]:
@@ -230,10 +329,18 @@ def plot_standbys(doc: dict, path: str | Path) -> Path:
 
 def main(args) -> int:
     planning = getattr(args, "plan_standbys", False)
+    des = getattr(args, "trace", None) is not None or getattr(args, "gaps", None) is not None
     try:
-        if planning:
+        if getattr(args, "sensitivity", None):
+            return _show_sensitivity(args)
+        if planning and des:
+            p, cfg = simdes.with_overhead(build_params(args)), des_config(args)
+            doc = simdes.plan_standbys_des(p, cfg, args.gpus)
+        elif planning:
             p = build_params(args)
             doc = plan_standbys(p, args.gpus)
+        elif des:
+            doc, p = run_des(args)
         else:
             doc, p = run(args)
     except (ValueError, OSError, json.JSONDecodeError) as e:
@@ -241,6 +348,9 @@ def main(args) -> int:
         return 2
     if planning:
         return _show_plan(args, doc, p)
+    if des:
+        print(json.dumps(_rounded(doc), indent=2) if args.json else render_des(doc))
+        return 0
     if getattr(args, "plot", None):
         path = plot(doc["sweep"], args.plot, title=f"tm-slurm sim [{doc['mode']}]")
         doc["plot"] = str(path)
