@@ -142,15 +142,14 @@ class FtJob:
 
 
 def run(job: Path, scenario: str, steps: int, at_step: int, hang_timeout: float, script_args: list[str],
-        timeout: float, ex: Example) -> tuple[float, dict]:
+        timeout: float, ex: Example, checkpoint_every: int) -> tuple[float, dict]:
     """One torchft sample; writes the job's commit log where the bench reads it."""
-    from .runs import CKPT_EVERY
     victim = (ex.drain if scenario == "planned" else ex.kill)
     r = int(victim.removeprefix("node")) - 1           # node1 holds replica 0, node2 replica 1
     # every step the job commits, a replica never interrupted commits: its log is the job's
     survivor = min(set(range(ex.active)) - {r})
-    reference = _undisturbed(job.parent, steps, tuple(script_args), hang_timeout, timeout, ex)
-    ft = FtJob(job, ex.active, steps, script_args, hang_timeout, CKPT_EVERY)
+    reference = _undisturbed(job.parent, steps, tuple(script_args), hang_timeout, timeout, ex, checkpoint_every)
+    ft = FtJob(job, ex.active, steps, script_args, hang_timeout, checkpoint_every)
     try:
         ft.start(timeout)
         end = time.monotonic() + timeout
@@ -176,11 +175,10 @@ def run(job: Path, scenario: str, steps: int, at_step: int, hang_timeout: float,
 
 @cache
 def _undisturbed(root: Path, steps: int, script_args: tuple[str, ...], collective_timeout: float, timeout: float,
-                 ex: Example) -> str:
+                 ex: Example, checkpoint_every: int) -> str:
     """The final digest of the same torchft job undisturbed: once per bench directory."""
-    from .runs import CKPT_EVERY
     out = root / f"torchft-undisturbed-{time.strftime('%H%M%S')}"
-    ft = FtJob(out, ex.active, steps, list(script_args), collective_timeout, CKPT_EVERY)
+    ft = FtJob(out, ex.active, steps, list(script_args), collective_timeout, checkpoint_every)
     try:
         ft.start(timeout)
         ft.wait(timeout)

@@ -85,7 +85,7 @@ def run(root: Path, scenario: str, strategy: str, steps: int, at_step: int, hang
     if strategy == "checkpoint-restart":
         t_event, info = _checkpoint_restart(job, scenario, steps, at_step, hang_timeout, args, timeout, ex)
     elif strategy == "torchft":
-        t_event, info = peers.run(job, scenario, steps, at_step, hang_timeout, args, timeout, ex)
+        t_event, info = peers.run(job, scenario, steps, at_step, hang_timeout, args, timeout, ex, CKPT_EVERY)
     else:
         r = JobRun(job, f"{ex.active}+1", steps, [(at_step, _verb(scenario), ex.drain)], script_args=args,
                    sets=_sets(strategy, scenario, hang_timeout, ex), extra_args=ex.args(), script=ex.script)
