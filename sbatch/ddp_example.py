@@ -7,7 +7,6 @@ init_process_group (README "Porting a stock DDP loop").
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -17,19 +16,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import tm_slurm                                                         # tm_slurm
 from tm_slurm.data import SyntheticTokens
 
-from ddp_model import Net
+from ddp_model import Net, options
 
-p = argparse.ArgumentParser()
-p.add_argument("--steps", type=int, default=60)
-p.add_argument("--vocab", type=int, default=64)
-p.add_argument("--dim", type=int, default=32)
-p.add_argument("--seq", type=int, default=16)
-p.add_argument("--batch", type=int, default=4)
-p.add_argument("--lr", type=float, default=3e-3)
-p.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step (a slower job)")
-args = p.parse_args()
+args = options().parse_args()
 torch.set_num_threads(1)
-
 
 job = tm_slurm.init()                                                   # tm_slurm
 torch.manual_seed(0)

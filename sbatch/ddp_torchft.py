@@ -12,7 +12,6 @@ final state's digest (`final-r<R>.json`), as the runtime digests a rank's state.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -27,16 +26,9 @@ from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGlo
 from tm_slurm.data import SyntheticTokens, key
 from tm_slurm.worker.state import TrainState, digest
 
-from ddp_model import Net
+from ddp_model import Net, options
 
-p = argparse.ArgumentParser()
-p.add_argument("--steps", type=int, default=60)
-p.add_argument("--vocab", type=int, default=64)
-p.add_argument("--dim", type=int, default=32)
-p.add_argument("--seq", type=int, default=16)
-p.add_argument("--batch", type=int, default=4)
-p.add_argument("--lr", type=float, default=3e-3)
-p.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step (a slower job)")
+p = options()
 p.add_argument("--replica", type=int, required=True, help="this replica group's index (its DP rank)")
 p.add_argument("--replicas", type=int, required=True)
 p.add_argument("--lighthouse", required=True, help="http://HOST:PORT")

@@ -19,6 +19,7 @@ from . import events as evlog
 from . import jobdir
 from .controller.requests import submit
 from .launch.local import fail, nodes_file
+from .roles import JobState
 
 SBATCH = Path(__file__).resolve().parent.parent / "sbatch"
 # the example's smallest model (the tests, the soak): startup and the control plane dominate a step
@@ -164,15 +165,19 @@ def _seen(job: Path, what: str) -> bool:
     return any(e["kind"] == kind and (not node or e["node"] == node) for e in evlog.read(jobdir.events_file(job)))
 
 
+ENDING = {s.value for s in (JobState.STOPPING, JobState.FINISHED, JobState.FAILED, JobState.REQUEUED)}
+
+
 def _progress(job: Path) -> tuple[int | None, bool]:
-    """(committed step, every standby ready): events are injected once standbys are warm, as
-    they would be long before a maintenance drain on a real cluster."""
+    """(committed step, ready for an event): events are injected once standbys are warm, as they
+    would be long before a maintenance drain on a real cluster, and never into a job that is
+    ending (it would not act on them)."""
     try:
         st = json.loads(jobdir.status_file(job).read_text())
     except (OSError, json.JSONDecodeError):
         return None, False
     warm = all(n["ready"] for n in st["nodes"].values() if n["role"] == "STANDBY")
-    return st.get("committed_step"), warm
+    return st.get("committed_step"), warm and st.get("state") not in ENDING
 
 
 def scenario_actions(scenario: str, steps: int, ex: Example = EXAMPLES["gpt"]) -> tuple[str, list[tuple[int | str, str, str]]]:

@@ -1,7 +1,7 @@
 """The baselines the benchmark measures against must be correct too: an elastic restart (every
 worker restarted in place from a checkpoint) ends bit-identical, and the plain torchrun-style
-run of the same script computes exactly what tm_slurm computes; the peer (torchft) runs as its
-users would run it."""
+run of the same script computes exactly what tm_slurm computes; the peers (torchft, NVIDIA's
+ft_launcher) run as their users would run them."""
 import json
 from pathlib import Path
 
@@ -41,10 +41,12 @@ def test_a_stock_script_under_torchrun_computes_what_it_computes_under_tm_slurm(
     assert info["digests"] == reference(40, tuple(ex.args()), active=ex.active, script=ex.script)
 
 
-def test_torchft_trains_on_with_fewer_replicas_and_its_result_differs(tmp_path):
-    """The peer in the bench (bench/peers.py), for real: a Lighthouse, two replica groups, one
-    SIGKILLed; the survivor trains on alone, the restarted replica heals from it and rejoins. No
-    step is redone, and the final state is not that of the same torchft job undisturbed."""
+def test_the_peers_as_their_users_run_them(tmp_path):
+    """The peers in the bench (bench/peers.py), for real, one node SIGKILLed. torchft: a
+    Lighthouse, two replica groups; the survivor trains on alone, the restarted replica heals from
+    it and rejoins; no step is redone, and the final state is not that of the same torchft job
+    undisturbed. nvrx: ft_launcher restarts both workers, which resume from the last checkpoint
+    and end bit-identical."""
     ex = EXAMPLES["ddp"]
     s = runs.run(tmp_path, "unplanned", "torchft", 300, 20, 10.0, ["--sleep", "0.05"], ex=ex)
     d = s.detail
@@ -52,3 +54,5 @@ def test_torchft_trains_on_with_fewer_replicas_and_its_result_differs(tmp_path):
     assert not d["bit_identical"] and len(d["digests"]) == 1      # the replicas agree with each other
     steps = [json.loads(x)["step"] for x in (Path(s.job_dir) / "steps.jsonl").read_text().splitlines()]
     assert steps == list(range(300))
+    s = runs.run(tmp_path, "unplanned", "nvrx", 100, 20, 10.0, ["--sleep", "0.05"], ex=ex)
+    assert s.lost_steps >= 1 and s.detail["restarts"] == 1 and s.detail["bit_identical"]

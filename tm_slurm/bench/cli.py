@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
     b.add_argument("--reps", type=int, default=3)
     b.add_argument("--scenarios", default=",".join(runs.SCENARIOS))
     b.add_argument("--strategies", help=f"default: all that can run the example ({','.join(runs.STRATEGIES)}); "
-                   "torchft needs `pip install -e .[peers]` and runs the ddp example only")
+                   "torchft and nvrx need `pip install -e .[peers]` and run the ddp example only")
     b.add_argument("--steps", type=int, help="steps per run (default 100; 800 with --compile)")
     b.add_argument("--at-step", type=int, default=30,
                    help="the interruption comes at this step (or later: once every standby is warm)")
@@ -200,14 +200,15 @@ def report(samples, scenarios, strategies, pairs: list[tuple[float, float]]) -> 
                       if i.get("joiner_first_step_s") is not None]
             if firsts:      # the swap strategies: how warm the joiner was (sandboxed or cold)
                 row[st]["joiner_first_step_s"] = round(statistics.median(firsts), 4)
+            if all("bit_identical" in s.detail for s in xs):      # the peers: checked against themselves
+                row[st]["bit_identical"] = all(s.detail["bit_identical"] for s in xs)
             if all("steps_fewer_replicas" in s.detail for s in xs):
                 # a peer that trains on with fewer replicas: the samples it did not train on, as
-                # seconds of steady training, and whether its result is that of an undisturbed run
+                # seconds of steady training
                 lost = statistics.median(s.detail["samples_lost_steps"] * s.steady_step_s for s in xs)
                 row[st].update(steps_fewer_replicas=statistics.median(s.detail["steps_fewer_replicas"] for s in xs),
                                samples_lost_s=round(lost, 4),
-                               replica_rejoined=all(s.detail["replica_rejoined"] for s in xs),
-                               bit_identical=all(s.detail["bit_identical"] for s in xs))
+                               replica_rejoined=all(s.detail["replica_rejoined"] for s in xs))
         tm = row.get("tm_slurm", {}).get("downtime_s")
         for st, r in row.items():
             r["ratio_vs_tm"] = round(r["downtime_s"] / tm, 2) if tm and tm > 0 else None
@@ -238,9 +239,10 @@ def table(out: dict) -> str:
             if "steps_fewer_replicas" in r:
                 lines.append(f"{sc}: {st} trained {r['steps_fewer_replicas']:g} steps with fewer replicas "
                              f"(their lost samples: {r['samples_lost_s']:.3f}s of training); the restarted replica "
-                             f"{'rejoined' if r['replica_rejoined'] else 'had not rejoined when the run ended'}; "
-                             f"final state {'equal to' if r['bit_identical'] else 'NOT bit-identical to'} "
-                             f"the same job undisturbed")
+                             f"{'rejoined' if r['replica_rejoined'] else 'had not rejoined when the run ended'}")
+            if "bit_identical" in r:
+                lines.append(f"{sc}: {st}'s final state {'equal to' if r['bit_identical'] else 'NOT bit-identical to'} "
+                             f"that of the same job undisturbed")
     if "frames" in out:
         lines.append(frames_table(out["frames"]))
     s = out["steady_step_s"]

@@ -1,17 +1,23 @@
-"""The system a user would pick instead, in the same bench: torchft (`pip install -e .[peers]`).
+"""The systems a user would pick instead, in the same bench (`pip install -e .[peers]`).
 
-The ddp example written as a torchft job (sbatch/ddp_torchft.py): one process per replica group
-(a node here), a Lighthouse started by the bench (in the bench's process), gloo on CPU, the same model,
-data, seeds, steps and checkpoint cadence. An interruption hits the node's replica group: a kill
-is a SIGKILL; a drain is a SIGKILL too (torchft has no way to hand a node's work over); a hang is
-a SIGSTOP, and the process is killed once the collective timeout has passed, as the other restart
-strategies are. The replica's supervisor (torchelastic or Slurm on a spare node) starts it again
-at once, cold; it heals from a live peer while the survivors train on without it.
+torchft: the ddp example written as a torchft job (sbatch/ddp_torchft.py): one process per replica
+group (a node here), a Lighthouse started by the bench (in the bench's process), gloo on CPU. The
+replica's supervisor (torchelastic or Slurm on a spare node) starts a lost replica again at once,
+cold; it heals from a live peer while the survivors train on without it. The job's commit log is
+that of a replica never interrupted (it takes part in every step the job commits); the
+interruption is over when the restarted replica commits its first step. What torchft does
+differently shows in the sample: steps trained with fewer replicas.
 
-The job's commit log is that of a replica never interrupted: it takes part in every step the job
-commits. The interruption is over when the restarted replica commits its first step. What
-torchft does differently shows in the sample: steps trained with fewer replicas, and whether the
-final state equals that of the same torchft job undisturbed.
+nvrx: the ddp example as a torchrun-style job that checkpoints and resumes (sbatch/ddp_nvrx.py),
+under NVIDIA's `ft_launcher` (nvidia-resiliency-ext): when a rank fails it restarts every worker in
+place, and they resume from the last checkpoint. The job's commit log is rank 0's; the
+interruption is over at the first commit after the restart.
+
+Both run the same model, data, seeds, steps and checkpoint cadence as the other strategies. An
+interruption hits the node's processes: a kill is a SIGKILL; a drain is a SIGKILL too (neither has a
+way to hand a node's work over); a hang is a SIGSTOP, and the process is killed once the collective
+timeout has passed, as for the other restart strategies. Each sample says whether the final state
+equals that of the same job undisturbed.
 """
 from __future__ import annotations
 
@@ -28,19 +34,26 @@ from .. import jobdir
 from ..config import Timeouts
 from ..demo import SBATCH, Example
 
-PEERS = ("torchft",)
-SCRIPT = SBATCH / "ddp_torchft.py"
+PEERS = ("torchft", "nvrx")
 
 
 def unavailable(strategy: str, ex: Example) -> str | None:
     """Why `strategy` cannot run the example here, or None."""
     if ex.name != "ddp":
-        return f"{strategy} runs only the ddp example (sbatch/ddp_torchft.py); use --example ddp"
+        return f"{strategy} runs only the ddp example (sbatch/ddp_{strategy}.py); use --example ddp"
     try:
-        _torchft()
-    except ImportError as e:
+        _torchft() if strategy == "torchft" else _ft_launcher()
+    except (ImportError, FileNotFoundError) as e:
         return f"{strategy} is not installed ({e}): pip install -e '.[peers]'"
     return None
+
+
+def _ft_launcher() -> str:
+    import nvidia_resiliency_ext  # noqa: F401
+    exe = Path(sys.executable).parent / "ft_launcher"
+    if not exe.exists():
+        raise FileNotFoundError(f"no {exe}")
+    return str(exe)
 
 
 def _torchft():
@@ -63,7 +76,7 @@ class FtJob:
         out.mkdir(parents=True)
         self.lighthouse = _torchft().LighthouseServer(bind="127.0.0.1:0", min_replicas=1,
                                                       join_timeout_ms=ms, heartbeat_timeout_ms=ms)
-        self.argv = [sys.executable, str(SCRIPT), "--steps", str(steps), *script_args, "--replicas", str(replicas),
+        self.argv = [sys.executable, str(SBATCH / "ddp_torchft.py"), "--steps", str(steps), *script_args, "--replicas", str(replicas),
                      "--lighthouse", self.lighthouse.address(), "--timeout", str(collective_timeout),
                      "--checkpoint-every", str(checkpoint_every)]
         self.procs: dict[int, subprocess.Popen] = {}
@@ -99,6 +112,18 @@ class FtJob:
         f = self.out / (f"r{r}-restarted" if restarted else f"r{r}") / f"steps-r{r}.jsonl"
         # a line being written has no closing brace yet
         return [json.loads(x) for x in (f.read_text().splitlines() if f.exists() else ()) if x.endswith("}")]
+
+    def log_of(self, victim: int) -> list[dict]:
+        """The job's commits: those of the first replica that is not `victim`."""
+        return self.committed(min(set(range(self.replicas)) - {victim}))
+
+    def summary(self, victim: int, t_event: float) -> dict:
+        back = self.committed(victim, restarted=True)
+        fewer = [d for d in self.log_of(victim) if d["participants"] < self.replicas]
+        return {"t_done": back[0]["wall"] if back else None, "replica_rejoined": bool(back),
+                "steps_fewer_replicas": len(fewer),
+                # a step with p of n replicas trains on p/n of the global batch
+                "samples_lost_steps": round(sum(1 - d["participants"] / self.replicas for d in fewer), 2)}
 
     def interrupt(self, r: int, how: str, hang_s: float) -> float:
         """Interrupt replica `r` (kill, or hang until the collective timeout has passed, then
@@ -141,50 +166,106 @@ class FtJob:
         return [json.loads(f.read_text()) for f in sorted(self.out.glob("r*/final-r*.json"))]
 
 
-def run(job: Path, scenario: str, steps: int, at_step: int, hang_timeout: float, script_args: list[str],
-        timeout: float, ex: Example, checkpoint_every: int) -> tuple[float, dict]:
-    """One torchft sample; writes the job's commit log where the bench reads it."""
-    victim = (ex.drain if scenario == "planned" else ex.kill)
-    r = int(victim.removeprefix("node")) - 1           # node1 holds replica 0, node2 replica 1
-    # every step the job commits, a replica never interrupted commits: its log is the job's
-    survivor = min(set(range(ex.active)) - {r})
-    reference = _undisturbed(job.parent, steps, tuple(script_args), hang_timeout, timeout, ex, checkpoint_every)
-    ft = FtJob(job, ex.active, steps, script_args, hang_timeout, checkpoint_every)
-    try:
-        ft.start(timeout)
+class NvrxJob:
+    """`ft_launcher` with one worker per node (all on this machine), in `out`."""
+
+    def __init__(self, out: Path, ranks: int, steps: int, script_args: list[str], collective_timeout: float,
+                 checkpoint_every: int):
+        self.out = out
+        out.mkdir(parents=True)
+        self.argv = [_ft_launcher(), "--standalone", "--nproc-per-node", str(ranks), "--max-restarts", "3",
+                     str(SBATCH / "ddp_nvrx.py"), "--steps", str(steps), *script_args, "--out", str(out),
+                     "--timeout", str(collective_timeout), "--checkpoint-every", str(checkpoint_every)]
+
+    def start(self, timeout: float) -> None:
+        with open(self.out / "launcher.log", "w") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def check(self, end: float) -> None:
+        if time.monotonic() > end:
+            raise TimeoutError(f"ft_launcher job {self.out} did not finish in time")
+        if self.proc.poll() not in (None, 0):
+            raise RuntimeError(f"ft_launcher failed (exit {self.proc.returncode}): "
+                               f"{(self.out / 'launcher.log').read_text()[-1500:]}")
+
+    def committed(self, r: int) -> list[dict]:
+        f = self.out / f"steps-r{r}.jsonl"
+        return [json.loads(x) for x in (f.read_text().splitlines() if f.exists() else ()) if x.endswith("}")]
+
+    def log_of(self, victim: int) -> list[dict]:
+        """The job's commits: rank 0's (every rank restarts, and redoes the same steps)."""
+        return self.committed(0)
+
+    def summary(self, victim: int, t_event: float) -> dict:
+        back = [d for d in self.committed(0) if d["attempt"] > 0]
+        return {"t_done": back[0]["wall"] if back else None, "restarts": max((d["attempt"] for d in back), default=0)}
+
+    def interrupt(self, r: int, how: str, hang_s: float) -> float:
+        """Interrupt rank `r`'s process (kill, or hang until the collective timeout has passed,
+        then kill); the launcher restarts every worker. Returns the interruption's wall time."""
+        pid = int((self.out / f"pid-r{r}").read_text())
+        t = time.time()
+        os.kill(pid, signal.SIGSTOP if how == "hang" else signal.SIGKILL)
+        if how == "hang":
+            time.sleep(hang_s)
+            os.kill(pid, signal.SIGKILL)
+        return t
+
+    def wait(self, timeout: float) -> None:
         end = time.monotonic() + timeout
-        while not (log := ft.committed(survivor)) or log[-1]["step"] < at_step:
-            ft.check(end)
+        while self.proc.poll() is None:
+            self.check(end)
+            time.sleep(0.05)
+        self.check(end)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def finals(self) -> list[dict]:
+        return [json.loads(f.read_text()) for f in sorted(self.out.glob("final-r*.json"))]
+
+
+JOBS = {"torchft": FtJob, "nvrx": NvrxJob}
+
+
+def run(job: Path, scenario: str, strategy: str, steps: int, at_step: int, hang_timeout: float,
+        script_args: list[str], timeout: float, ex: Example, checkpoint_every: int) -> tuple[float, dict]:
+    """One sample of a peer; writes the job's commit log where the bench reads it."""
+    victim = (ex.drain if scenario == "planned" else ex.kill)
+    r = int(victim.removeprefix("node")) - 1           # node1 holds rank (replica) 0, node2 1
+    reference = _undisturbed(strategy, job.parent, steps, tuple(script_args), hang_timeout, timeout, ex,
+                             checkpoint_every)
+    j = JOBS[strategy](job, ex.active, steps, script_args, hang_timeout, checkpoint_every)
+    try:
+        j.start(timeout)
+        end = time.monotonic() + timeout
+        while not (log := j.log_of(r)) or log[-1]["step"] < at_step:
+            j.check(end)
             time.sleep(0.01)
-        t_event = ft.interrupt(r, "hang" if scenario == "hang" else "kill", hang_timeout)
-        ft.wait(timeout)
+        t_event = j.interrupt(r, "hang" if scenario == "hang" else "kill", hang_timeout)
+        j.wait(timeout)
     finally:
-        ft.close()
-    log = ft.committed(survivor)
+        j.close()
     jobdir.steps_file(job).write_text("".join(json.dumps({k: d[k] for k in ("step", "wall", "dur_s")}) + "\n"
-                                              for d in log))
-    back = ft.committed(r, restarted=True)
-    digests = {d["digest"] for d in ft.finals()}
-    fewer = [d for d in log if d["participants"] < ex.active]
-    return t_event, {"t_done": back[0]["wall"] if back else None, "replica_rejoined": bool(back),
-                     "steps_fewer_replicas": len(fewer),
-                     # a step with p of n replicas trains on p/n of the global batch
-                     "samples_lost_steps": round(sum(1 - d["participants"] / ex.active for d in fewer), 2),
-                     "bit_identical": digests == {reference}, "digests": sorted(digests)}
+                                              for d in j.log_of(r)))
+    digests = {d["digest"] for d in j.finals()}
+    return t_event, {**j.summary(r, t_event), "bit_identical": digests == {reference}, "digests": sorted(digests)}
 
 
 @cache
-def _undisturbed(root: Path, steps: int, script_args: tuple[str, ...], collective_timeout: float, timeout: float,
-                 ex: Example, checkpoint_every: int) -> str:
-    """The final digest of the same torchft job undisturbed: once per bench directory."""
-    out = root / f"torchft-undisturbed-{time.strftime('%H%M%S')}"
-    ft = FtJob(out, ex.active, steps, list(script_args), collective_timeout, checkpoint_every)
+def _undisturbed(strategy: str, root: Path, steps: int, script_args: tuple[str, ...], collective_timeout: float,
+                 timeout: float, ex: Example, checkpoint_every: int) -> str:
+    """The final digest of the same job undisturbed: once per bench directory."""
+    out = root / f"{strategy}-undisturbed-{time.strftime('%H%M%S')}"
+    j = JOBS[strategy](out, ex.active, steps, list(script_args), collective_timeout, checkpoint_every)
     try:
-        ft.start(timeout)
-        ft.wait(timeout)
+        j.start(timeout)
+        j.wait(timeout)
     finally:
-        ft.close()
-    digests = {d["digest"] for d in ft.finals()}
+        j.close()
+    digests = {d["digest"] for d in j.finals()}
     if len(digests) != 1:
-        raise RuntimeError(f"torchft's undisturbed replicas ended with different states; see {out}")
+        raise RuntimeError(f"{strategy}'s undisturbed ranks ended with different states; see {out}")
     return digests.pop()

@@ -6,6 +6,8 @@ elastic-restart      torchrun-style: every worker restarted in place from the la
                      (the runtime's `recovery.strategy: restart`), a spare node cold
 torchft              the ddp example as a torchft job (bench/peers.py): the others train on
                      with fewer replicas while the lost one restarts cold and heals from a peer
+nvrx                 the ddp example under NVIDIA's ft_launcher (bench/peers.py): every worker
+                     restarted in place, resumed from the last checkpoint
 checkpoint-restart   what `sbatch --requeue` or a restart loop does: the whole job goes down,
                      a new one starts (fresh processes, every group re-initialised) and resumes
                      from the last checkpoint (planned: one written on request just before)
@@ -84,8 +86,9 @@ def run(root: Path, scenario: str, strategy: str, steps: int, at_step: int, hang
     args = [*MODEL, *script_args]
     if strategy == "checkpoint-restart":
         t_event, info = _checkpoint_restart(job, scenario, steps, at_step, hang_timeout, args, timeout, ex)
-    elif strategy == "torchft":
-        t_event, info = peers.run(job, scenario, steps, at_step, hang_timeout, args, timeout, ex, CKPT_EVERY)
+    elif strategy in peers.PEERS:
+        t_event, info = peers.run(job, scenario, strategy, steps, at_step, hang_timeout, args, timeout, ex,
+                                  CKPT_EVERY)
     else:
         r = JobRun(job, f"{ex.active}+1", steps, [(at_step, _verb(scenario), ex.drain)], script_args=args,
                    sets=_sets(strategy, scenario, hang_timeout, ex), extra_args=ex.args(), script=ex.script)
