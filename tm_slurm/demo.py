@@ -19,7 +19,7 @@ from . import events as evlog
 from . import jobdir
 from .controller.requests import submit
 from .launch.local import fail, nodes_file
-from .roles import JobState
+from .roles import JOB_TRANSITIONS, JobState
 
 SBATCH = Path(__file__).resolve().parent.parent / "sbatch"
 # the example's smallest model (the tests, the soak): startup and the control plane dominate a step
@@ -165,7 +165,8 @@ def _seen(job: Path, what: str) -> bool:
     return any(e["kind"] == kind and (not node or e["node"] == node) for e in evlog.read(jobdir.events_file(job)))
 
 
-ENDING = {s.value for s in (JobState.STOPPING, JobState.FINISHED, JobState.FAILED, JobState.REQUEUED)}
+# the states a job is ending in: stopping, and where the state machine goes from there
+ENDING = {s.value for s in (JobState.STOPPING, *JOB_TRANSITIONS[JobState.STOPPING])}
 
 
 def _progress(job: Path) -> tuple[int | None, bool]:

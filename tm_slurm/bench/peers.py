@@ -64,6 +64,22 @@ def _torchft():
     return torchft._torchft
 
 
+def _commits(f: Path) -> list[dict]:
+    """A process's commit log (one JSON object a line); a line being written has no closing brace yet."""
+    return [json.loads(x) for x in (f.read_text().splitlines() if f.exists() else ()) if x.endswith("}")]
+
+
+def _interrupt(send, how: str, hang_s: float) -> float:
+    """`send` a kill, or a stop and, once the collective timeout has passed, a kill. Returns the
+    interruption's wall time."""
+    t = time.time()
+    send(signal.SIGSTOP if how == "hang" else signal.SIGKILL)
+    if how == "hang":
+        time.sleep(hang_s)
+        send(signal.SIGKILL)
+    return t
+
+
 class FtJob:
     """A Lighthouse and one process per replica group, in `out`."""
 
@@ -109,15 +125,13 @@ class FtJob:
 
     def committed(self, r: int, restarted: bool = False) -> list[dict]:
         """Replica `r`'s commits: step, commit wall time, participants."""
-        f = self.out / (f"r{r}-restarted" if restarted else f"r{r}") / f"steps-r{r}.jsonl"
-        # a line being written has no closing brace yet
-        return [json.loads(x) for x in (f.read_text().splitlines() if f.exists() else ()) if x.endswith("}")]
+        return _commits(self.out / (f"r{r}-restarted" if restarted else f"r{r}") / f"steps-r{r}.jsonl")
 
     def log_of(self, victim: int) -> list[dict]:
         """The job's commits: those of the first replica that is not `victim`."""
         return self.committed(min(set(range(self.replicas)) - {victim}))
 
-    def summary(self, victim: int, t_event: float) -> dict:
+    def summary(self, victim: int) -> dict:
         back = self.committed(victim, restarted=True)
         fewer = [d for d in self.log_of(victim) if d["participants"] < self.replicas]
         return {"t_done": back[0]["wall"] if back else None, "replica_rejoined": bool(back),
@@ -129,11 +143,7 @@ class FtJob:
         """Interrupt replica `r` (kill, or hang until the collective timeout has passed, then
         kill), and let its supervisor start it again. Returns the interruption's wall time."""
         p = self.procs[r]
-        t = time.time()
-        os.killpg(p.pid, signal.SIGSTOP if how == "hang" else signal.SIGKILL)
-        if how == "hang":
-            time.sleep(hang_s)
-            os.killpg(p.pid, signal.SIGKILL)
+        t = _interrupt(lambda sig: os.killpg(p.pid, sig), how, hang_s)
         p.wait()
         self.restarted[r] = self._spawn(r, self.out / f"r{r}-restarted")
         return t
@@ -189,14 +199,13 @@ class NvrxJob:
                                f"{(self.out / 'launcher.log').read_text()[-1500:]}")
 
     def committed(self, r: int) -> list[dict]:
-        f = self.out / f"steps-r{r}.jsonl"
-        return [json.loads(x) for x in (f.read_text().splitlines() if f.exists() else ()) if x.endswith("}")]
+        return _commits(self.out / f"steps-r{r}.jsonl")
 
     def log_of(self, victim: int) -> list[dict]:
         """The job's commits: rank 0's (every rank restarts, and redoes the same steps)."""
         return self.committed(0)
 
-    def summary(self, victim: int, t_event: float) -> dict:
+    def summary(self, victim: int) -> dict:
         back = [d for d in self.committed(0) if d["attempt"] > 0]
         return {"t_done": back[0]["wall"] if back else None, "restarts": max((d["attempt"] for d in back), default=0)}
 
@@ -204,12 +213,7 @@ class NvrxJob:
         """Interrupt rank `r`'s process (kill, or hang until the collective timeout has passed,
         then kill); the launcher restarts every worker. Returns the interruption's wall time."""
         pid = int((self.out / f"pid-r{r}").read_text())
-        t = time.time()
-        os.kill(pid, signal.SIGSTOP if how == "hang" else signal.SIGKILL)
-        if how == "hang":
-            time.sleep(hang_s)
-            os.kill(pid, signal.SIGKILL)
-        return t
+        return _interrupt(lambda sig: os.kill(pid, sig), how, hang_s)
 
     def wait(self, timeout: float) -> None:
         end = time.monotonic() + timeout
@@ -251,7 +255,7 @@ def run(job: Path, scenario: str, strategy: str, steps: int, at_step: int, hang_
     jobdir.steps_file(job).write_text("".join(json.dumps({k: d[k] for k in ("step", "wall", "dur_s")}) + "\n"
                                               for d in j.log_of(r)))
     digests = {d["digest"] for d in j.finals()}
-    return t_event, {**j.summary(r, t_event), "bit_identical": digests == {reference}, "digests": sorted(digests)}
+    return t_event, {**j.summary(r), "bit_identical": digests == {reference}, "digests": sorted(digests)}
 
 
 @cache
