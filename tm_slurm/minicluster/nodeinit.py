@@ -12,7 +12,7 @@ so it starts in the machine's own network, UTS, IPC, mount and PID namespaces. I
   RUNDIR/etc/hosts on /etc/hosts (a private mount namespace: the host is untouched);
 * gives the machine its own /dev/shm and boot_id;
 * "boots": its future children live in a fresh time namespace whose CLOCK_BOOTTIME
-  starts at about 1 s, so slurmd reports a new boot time after every simulated
+  starts at 0.2 s, so slurmd reports a new boot time after every simulated
   reboot, which is what `scontrol reboot` waits for;
 * runs the daemon (slurmd -D, or slurmctld -D on the head) and reaps every orphan
   (slurmstepd, job processes), like a real init.
@@ -39,6 +39,7 @@ import uuid
 
 CLONE_NEWTIME = 0x00000080
 REBOOT_DELAY = float(os.environ.get("TM_SLURM_MINICLUSTER_REBOOT_DELAY", "2"))
+BOOT_UPTIME = 0.2
 
 
 class Machine:
@@ -67,7 +68,7 @@ class Machine:
         _sh("ip", "link", "set", "lo", "up")
 
     def new_boot(self) -> None:
-        """From now on children see a freshly booted machine: uptime ~1 s, a new
+        """From now on children see a freshly booted machine: uptime 0.2 s, a new
         boot_id and an empty /dev/shm."""
         with open(self.boot_id, "r+") as f:  # in place: the bind mount holds the inode
             f.write(f"{uuid.uuid4()}\n")
@@ -77,10 +78,16 @@ class Machine:
         if libc.unshare(CLONE_NEWTIME) != 0:
             self.log(f"unshare(CLONE_NEWTIME) failed, errno={ctypes.get_errno()}: boot time unchanged")
             return
-        uptime = time.clock_gettime(time.CLOCK_BOOTTIME)
+        # Children's uptime starts at BOOT_UPTIME s. slurmctld accepts a reboot once the
+        # boot time it derives, its whole-second clock minus the uptime slurmd reports
+        # (sysinfo rounds that up), is not before the second it issued the reboot in. An
+        # uptime that starts near 2 s (REBOOT_DELAY) left a zero margin: one registration
+        # in a few came out a second early and the node stayed REBOOT_ISSUED.
+        offset = BOOT_UPTIME - time.clock_gettime(time.CLOCK_BOOTTIME)
+        sec = int(offset // 1)
         try:
             with open("/proc/self/timens_offsets", "w") as f:
-                f.write(f"boottime {-int(uptime) + 1} 0\n")
+                f.write(f"boottime {sec} {int((offset - sec) * 1e9)}\n")
         except OSError as e:
             self.log(f"cannot set time namespace offsets: {e}")
 
