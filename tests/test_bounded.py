@@ -9,7 +9,10 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from tm_slurm.comm import vote as V
-from tm_slurm.controller.progress import Progress
+from tm_slurm.controller.holders import Holders
+from tm_slurm.controller.progress import CommittedMin, Progress
+from tm_slurm.topology import Topology
+from tm_slurm.config import Layout
 
 
 def rec(step):
@@ -37,8 +40,8 @@ def test_vote_keys_are_deleted_and_the_store_stays_bounded():
         voted.append((0, step))
         if len(voted) > V.KEYS_KEPT:
             V.forget(m, *voted.popleft(), 0)
-    # three keys per kept step (the rank's vote, the count, the decision), whatever the length
-    assert m.num_keys() <= 3 * (V.KEYS_KEPT + 1) + 1
+    # two keys per kept step (the rank's vote, the decision), whatever the length
+    assert m.num_keys() <= 2 * (V.KEYS_KEPT + 1) + 1
     assert not m.check([V.dkey(0, 0)]) and m.check([V.dkey(0, 399)])
 
 
@@ -51,3 +54,22 @@ def test_progress_counts_the_ranks_that_reported_a_step():
     assert p.reported(1) == 2 and p.reported(2) == 1
     p.add(0, [rec(3)])                 # step 1 of rank 0 falls out of the window
     assert p.reported(1) == 1 and p.reported(3) == 1
+
+
+def test_the_committed_step_is_asked_every_tick_and_passes_over_all_ranks_once_a_step(monkeypatch):
+    holders = Holders(Topology(Layout(dp=4, tp=2, ranks_per_node=2)), {i: f"n{i}" for i in range(4)})
+    p = Progress()
+    cm = CommittedMin(p)
+    passes = []
+    full = p.min_committed
+    monkeypatch.setattr(p, "min_committed", lambda ranks: passes.append(1) or full(ranks))
+    assert cm.get(holders) is None
+    for step in range(3):
+        for r in range(8):
+            p.add(r, [rec(step)])
+            assert cm.get(holders) == (step if r == 7 else (None if step == 0 else step - 1))
+    assert len(passes) == 4                          # the first ask, then one a step
+    holders.hold(0, "n9")                            # new owners: asked afresh
+    assert cm.get(holders) == 2 and len(passes) == 5
+    p.clear()
+    assert cm.get(holders) is None

@@ -76,8 +76,17 @@ def test_abort_reaches_a_new_generation_whose_first_step_is_not_the_lower_bound(
 
 
 def test_missing_voter_times_out_into_abort(store):
-    d = V.vote(client(store), 0, 0, 2, True, 0.3, 0)
+    d = V.vote(client(store), 0, 0, 2, True, 0.3, 0)      # the decider: rank 1 never votes
+    assert not d.commit and "not every node voted" in d.why
+    d = V.vote(client(store), 0, 1, 2, True, 0.3, 1)      # a voter: the decider never decides
     assert not d.commit and "no decision" in d.why
+
+
+def test_peek_reads_without_waiting_or_creating(store):
+    c = client(store)
+    assert V.peek(c, "k") is None and not c.check(["k"])
+    c.set("k", "v")
+    assert V.peek(c, "k") == b"v"
 
 
 def test_abort_walks_past_steps_the_controller_has_not_heard_of(store):

@@ -1,15 +1,19 @@
 """The per-step commit vote and the agreed switch point, both through the controller's TCPStore.
 
-Every node votes before its optimizer step (its ranks agree first: comm/nodevote.py): its own
-sealed vote key, then the shared count. The last of the nodes' ok-votes writes the decision with
+Every node votes before its optimizer step (its ranks agree first: comm/nodevote.py) by writing
+its own sealed vote key. The voter of the node that holds rank 0 decides: once every node's
+sealed vote is there it reads the controller's pending switch and writes the decision with
 compare_set, so exactly one decision per (generation, step) exists and every rank reads the same
-one. The count cannot be sealed (a stranger who reaches the store could add to it), so the voter
-that sees it reach the number of nodes commits only once every node's sealed vote is there (at
-once in a real last vote; docs/design.md §9); a rank that saw a failure, the controller, or a
-rank whose wait timed out writes "abort" the same way and wins only if nobody committed first.
-The committing voter also reads the controller's pending switch, so a planned swap happens at
-the same step boundary everywhere.
-Nobody applies a partial update: a step is applied only under a commit decision.
+one. A rank that saw a failure, the controller, the decider when a vote is missing after the
+timeout, or a voter whose wait for the decision timed out writes "abort" the same way and wins
+only if nobody committed first. The pending switch rides in the decision, so a planned swap
+happens at the same step boundary everywhere. Nobody applies a partial update: a step is applied
+only under a commit decision.
+
+What a healthy step costs, in store round trips: every voter one write, then one wait that ends
+when the decision is written and one read; the decider instead waits for the votes, reads them
+(2) and the pending switch (1) and writes the decision (1). Nothing is counted: a counter cannot
+be sealed, and knowing who decides makes one unnecessary (docs/design.md §3).
 """
 from __future__ import annotations
 
@@ -44,10 +48,6 @@ class Decision:
                         d.get("why", ""))
 
 
-def nkey(gen: int, step: int) -> str:
-    return f"vote/g{gen}/s{step}/n"
-
-
 def rkey(gen: int, step: int, rank: int) -> str:
     return f"vote/g{gen}/s{step}/r{rank}"
 
@@ -70,12 +70,23 @@ def switch_key(plan_id: int) -> str:
 KEYS_KEPT = 64
 
 
+# compare_set with this as both expected and desired value reads a key in one round trip without
+# waiting for it (a get is two: wait, then get) and without creating it: no vote, decision or
+# pending switch is ever this value
+_ABSENT = "\0absent"
+
+
+def peek(store, key: str) -> bytes | None:
+    """The value of KEY, or None if there is none yet."""
+    raw = bytes(store.compare_set(key, _ABSENT, _ABSENT))
+    return None if raw == _ABSENT.encode() else raw
+
+
 def forget(store, gen: int, step: int, rank: int) -> None:
-    """Delete this rank's part of an old step's keys (rank 0 also the count and the decision),
-    so the store holds a bounded number of keys whatever the number of steps."""
+    """Delete this rank's part of an old step's keys (rank 0 also the decision), so the store
+    holds a bounded number of keys whatever the number of steps."""
     store.delete_key(rkey(gen, step, rank))
     if rank == 0:
-        store.delete_key(nkey(gen, step))
         store.delete_key(dkey(gen, step))
 
 
@@ -88,35 +99,41 @@ def abort(store, gen: int, step: int, why: str) -> Decision:
 def vote(store, gen: int, step: int, world: int, ok: bool, timeout: float, rank: int,
          per_node: int = 1) -> Decision:
     """`per_node` > 1: the first rank of each node of that many votes for its node
-    (comm/nodevote.py); the count then reaches world // per_node."""
+    (comm/nodevote.py), so the voters are ranks 0, per_node, 2 * per_node, ..."""
     if not ok:
         return abort(store, gen, step, "a rank saw a failure")
     store.set(rkey(gen, step, rank), "ok")
-    n = store.add(nkey(gen, step), 1)
-    if n == world // per_node:
-        everyone = [rkey(gen, step, r) for r in range(0, world, per_node)]
-        try:
-            store.wait(everyone, timedelta(seconds=timeout))
-            sealed = all(v == b"ok" for v in store.multi_get(everyone))
-        except Exception:
-            sealed = False
-        if not sealed:
-            return abort(store, gen, step, "the count reached the world without every rank's sealed vote")
-        pk = pending_key(gen)
-        raw_p = store.get(pk) if store.check([pk]) else b""
-        p = json.loads(raw_p) if raw_p else {}
-        dec = Decision(True, p.get("plan"), p.get("gen"), p.get("ckpt"), bool(p.get("exit", False)))
-        got = Decision.decode(store.compare_set(dkey(gen, step), "", dec.encode()))
-        if got == dec and raw_p and dec.switch is None:
-            store.compare_set(pk, raw_p.decode(), "")  # consumed, unless the controller changed it
-        if got.commit and got.switch is not None:
-            store.set(switch_key(got.switch), str(step))
-        return got
+    if rank == 0:
+        return _decide(store, gen, step, world, timeout, per_node)
     try:
         store.wait([dkey(gen, step)], timedelta(seconds=timeout))
     except Exception:
         return abort(store, gen, step, f"no decision within {timeout}s")
-    return Decision.decode(store.get(dkey(gen, step)))
+    return Decision.decode(peek(store, dkey(gen, step)) or store.get(dkey(gen, step)))
+
+
+def _decide(store, gen: int, step: int, world: int, timeout: float, per_node: int) -> Decision:
+    everyone = [rkey(gen, step, r) for r in range(0, world, per_node)]
+    try:
+        store.wait(everyone, timedelta(seconds=timeout))
+    except Exception:
+        return abort(store, gen, step, f"not every node voted within {timeout}s")
+    try:
+        sealed = all(v == b"ok" for v in store.multi_get(everyone))
+    except Exception:       # a value not written by this job
+        sealed = False
+    if not sealed:
+        return abort(store, gen, step, "a node's vote is not its sealed ok")
+    pk = pending_key(gen)
+    raw_p = peek(store, pk) or b""
+    p = json.loads(raw_p) if raw_p else {}
+    dec = Decision(True, p.get("plan"), p.get("gen"), p.get("ckpt"), bool(p.get("exit", False)))
+    got = Decision.decode(store.compare_set(dkey(gen, step), "", dec.encode()))
+    if got == dec and raw_p and dec.switch is None:
+        store.compare_set(pk, raw_p.decode(), "")  # consumed, unless the controller changed it
+    if got.commit and got.switch is not None:
+        store.set(switch_key(got.switch), str(step))
+    return got
 
 
 def abort_in_flight(store, gen: int, lo: int, hi: int, why: str) -> tuple[int, int]:

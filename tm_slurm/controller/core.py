@@ -42,10 +42,12 @@ from .holders import Holders
 from .liveness import controller_cut_off
 from .intake import Decision, Fail, Intake, Migrate, ReleaseStandby, Stop, TakeCheckpoint
 from .pool import Pool
-from .progress import Progress
+from .progress import CommittedMin, Progress
 from .records import Records
 from .reports import ON_REPORT
 from .requests import Inbox as RequestInbox, Request, slurm_user_uid
+
+LINKS_EVERY_S = 0.05      # how often the loop looks at every link's silence and breakage
 
 
 class Controller:
@@ -83,6 +85,7 @@ class Controller:
         self.started: set[int] = set()
         self.standby_up: dict[str, set[int]] = {}
         self.progress = Progress()
+        self._committed = CommittedMin(self.progress)
         self.finished: dict[int, str] = {}
         self.exited: set[tuple[str, int]] = set()
         self.episodes: list[Episode] = []        # in the order they started
@@ -102,9 +105,10 @@ class Controller:
         self.requeue_wanted = True       # a REQUEUED end runs again, unless a signal said otherwise
         self.intake = Intake(self.log.emit)
         self.pool = Pool(self)
-        # when the main loop next pings, writes status.json, reads requests; until when it is busy
+        # when the main loop next pings, writes status.json, reads requests, checks every link;
+        # until when it is busy
         self._loop = {"last": time.monotonic(), "ping": 0.0, "status": 0.0, "req": 0.0,
-                      "busy_until": 0.0, "ping_seq": 0}
+                      "links": 0.0, "busy_until": 0.0, "ping_seq": 0}
 
     # ------------------------------------------------------------ episodes
     def live(self) -> list[Episode]:
@@ -146,7 +150,7 @@ class Controller:
         return self.plan_seq
 
     def committed_step(self) -> int | None:
-        return self.progress.min_committed(self.holders.ranks)
+        return self._committed.get(self.holders)
 
     def send(self, node: str, msg) -> None:
         ch = self.channels.get(node)
@@ -433,6 +437,14 @@ class Controller:
     def _check_liveness(self, now: float) -> None:
         if self.ending is not None:
             return                     # agents are going away on purpose
+        for node, rc in self.launcher.poll():
+            self._last_words(node)
+            self._agent_gone(node, f"agent process ended rc={rc}")
+        # a pass over every link: not every tick (1,025 of them at 1,024 nodes, 50 ticks a
+        # second); silence is timed in seconds and a broken link was already seen by a send
+        if now < self._loop["links"]:
+            return
+        self._loop["links"] = now + LINKS_EVERY_S
         silence = {n: now - self.last_hb.get(n, now) for n, ch in self.channels.items()
                    if not ch.dead and n not in self._agents_gone}
         if lost := controller_cut_off(silence, self.T.heartbeat_timeout_s):
@@ -446,9 +458,6 @@ class Controller:
             silent = silence[node]
             if silent > self.T.heartbeat_timeout_s:
                 self.fail(node, "heartbeat_timeout", silent_s=round(silent, 3))
-        for node, rc in self.launcher.poll():
-            self._last_words(node)
-            self._agent_gone(node, f"agent process ended rc={rc}")
 
     def cut_off(self, lost: list[str], live: int) -> None:
         """This controller lost most of its agents at once: it is the one cut off (liveness.py).

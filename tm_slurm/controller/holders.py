@@ -13,17 +13,20 @@ class Holders:
     def __init__(self, topo: Topology, by_slot: dict[int, str]):
         self.by_slot: dict[int, str] = {}
         self.ranks: dict[int, str] = {}               # global rank -> node
+        self.version = 0                              # changes whenever `ranks` does
         self.since: dict[str, int] = {n: 0 for n in by_slot.values()}   # first step computed
         self.reset(topo, by_slot)
 
     def reset(self, topo: Topology, by_slot: dict[int, str]) -> None:
         """A new layout (a shrink): the ranks are renumbered."""
         self.topo = topo
+        self.version += 1
         self.by_slot, self.ranks = {}, {}
         for slot, node in by_slot.items():
             self.hold(slot, node)
 
     def hold(self, slot: int, node: str, since: int | None = None) -> None:
+        self.version += 1
         self.by_slot[slot] = node
         for r in self.topo.slot_ranks(slot):
             self.ranks[r] = node
