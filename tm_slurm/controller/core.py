@@ -533,7 +533,9 @@ class Controller:
         if self.job.state == JobState.STARTING or now >= L["req"]:
             if self.admission.announced():
                 self._admit()
-        for node, ch in list(self.channels.items()):
+        for node in mpictl.arrived(self.channels):
+            if (ch := self.channels.get(node)) is None:
+                continue                    # gone by what an earlier link said this pass
             for m in ch.poll():
                 if not isinstance(m, Heartbeat):
                     L["busy_until"] = now + mpictl.BUSY_FOR_S
