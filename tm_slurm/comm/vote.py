@@ -11,8 +11,9 @@ happens at the same step boundary everywhere. Nobody applies a partial update: a
 only under a commit decision.
 
 What a healthy step costs, in store round trips: every voter one write, then one wait that ends
-when the decision is written and one read; the decider instead waits for the votes, reads them
-(2) and the pending switch (1) and writes the decision (1). Nothing is counted: a counter cannot
+when the decision is written and one read; the decider instead reads the pending switch (1),
+waits for the votes, reads them (2) and writes the decision (1). After the last vote lands, the
+decision is three round trips and two wake-ups away from every rank. Nothing is counted: a counter cannot
 be sealed, and knowing who decides makes one unnecessary (docs/design.md §3).
 """
 from __future__ import annotations
@@ -114,6 +115,9 @@ def vote(store, gen: int, step: int, world: int, ok: bool, timeout: float, rank:
 
 def _decide(store, gen: int, step: int, world: int, timeout: float, per_node: int) -> Decision:
     everyone = [rkey(gen, step, r) for r in range(0, world, per_node)]
+    # read while the other votes come in, not after: a switch set meanwhile is taken a step later
+    pk = pending_key(gen)
+    raw_p = peek(store, pk) or b""
     try:
         store.wait(everyone, timedelta(seconds=timeout))
     except Exception:
@@ -124,8 +128,6 @@ def _decide(store, gen: int, step: int, world: int, timeout: float, per_node: in
         sealed = False
     if not sealed:
         return abort(store, gen, step, "a node's vote is not its sealed ok")
-    pk = pending_key(gen)
-    raw_p = peek(store, pk) or b""
     p = json.loads(raw_p) if raw_p else {}
     dec = Decision(True, p.get("plan"), p.get("gen"), p.get("ckpt"), bool(p.get("exit", False)))
     got = Decision.decode(store.compare_set(dkey(gen, step), "", dec.encode()))
