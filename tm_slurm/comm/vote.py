@@ -12,8 +12,8 @@ only under a commit decision.
 
 What a healthy step costs, in store round trips: every voter one write, then one wait that ends
 when the decision is written and one read; the decider instead reads the pending switch (1),
-waits for the votes, reads them (2) and writes the decision (1). After the last vote lands, the
-decision is three round trips and two wake-ups away from every rank. Nothing is counted: a counter cannot
+waits for the votes and reads them (2) and writes the decision (1). After the last vote lands,
+the decision is three round trips and two wake-ups away from every rank. Nothing is counted: a counter cannot
 be sealed, and knowing who decides makes one unnecessary (docs/design.md §3).
 """
 from __future__ import annotations
@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import timedelta
+
+from ..control.auth import AuthError
 
 
 @dataclass(frozen=True)
@@ -119,13 +121,15 @@ def _decide(store, gen: int, step: int, world: int, timeout: float, per_node: in
     pk = pending_key(gen)
     raw_p = peek(store, pk) or b""
     try:
-        store.wait(everyone, timedelta(seconds=timeout))
+        # multi_get waits for its keys itself, up to the client's timeout (a worker's client
+        # has the vote's): a wait of its own, a round trip more, only for another timeout
+        if store.timeout != timedelta(seconds=timeout):
+            store.wait(everyone, timedelta(seconds=timeout))
+        sealed = all(v == b"ok" for v in store.multi_get(everyone))
+    except AuthError:       # a value not written by this job
+        sealed = False
     except Exception:
         return abort(store, gen, step, f"not every node voted within {timeout}s")
-    try:
-        sealed = all(v == b"ok" for v in store.multi_get(everyone))
-    except Exception:       # a value not written by this job
-        sealed = False
     if not sealed:
         return abort(store, gen, step, "a node's vote is not its sealed ok")
     p = json.loads(raw_p) if raw_p else {}
