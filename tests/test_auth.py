@@ -103,15 +103,34 @@ def test_the_store_refuses_values_the_job_did_not_write_and_hides_its_keys():
     assert job.multi_get(["k"]) == [b"c"]
 
 
-def test_a_forged_vote_cannot_commit_a_step():
+def test_a_forged_count_cannot_commit_a_step_before_every_rank_voted():
+    server, client = _stores()
+    client(None).add(KEYS.store_prefix + V.nkey(0, 5), 2)    # a stranger: "two ranks voted"
+    got = [None, None]
+    first = V.vote(client(), 0, 5, 3, True, 0.5, 0)          # the count says 3 = world
+    assert not first.commit and "sealed vote" in first.why
+
+    def late(i):
+        got[i] = V.vote(client(), 0, 5, 3, True, 1.0, i + 1)
+    ths = [threading.Thread(target=late, args=(i,)) for i in (0, 1)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(5)
+    assert got[0] == got[1] == first                          # one decision for everyone: abort
+
+
+@pytest.mark.parametrize("timeout", [1.0, 5.0])     # its own wait; multi_get's (the client's timeout)
+def test_a_forged_vote_cannot_commit_a_step(timeout):
     server, client = _stores()
     stranger = client(None)
-    # a node's vote under its listed name, not sealed with the job's secret
+    # a node's vote under its listed name, not sealed with the job's secret, and the count it adds
     stranger.set(KEYS.store_prefix + V.rkey(0, 5, 2), b"\0" * 40 + b"ok")
+    stranger.add(KEYS.store_prefix + V.nkey(0, 5), 1)
     got = [None, None]
 
     def vote(i):
-        got[i] = V.vote(client(), 0, 5, 3, True, 1.0, i)
+        got[i] = V.vote(client(), 0, 5, 3, True, timeout, i)
     ths = [threading.Thread(target=vote, args=(i,)) for i in (0, 1)]
     for t in ths:
         t.start()

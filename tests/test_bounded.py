@@ -40,8 +40,8 @@ def test_vote_keys_are_deleted_and_the_store_stays_bounded():
         voted.append((0, step))
         if len(voted) > V.KEYS_KEPT:
             V.forget(m, *voted.popleft(), 0)
-    # two keys per kept step (the rank's vote, the decision), whatever the length
-    assert m.num_keys() <= 2 * (V.KEYS_KEPT + 1) + 1
+    # three keys per kept step (the rank's vote, the count, the decision), whatever the length
+    assert m.num_keys() <= 3 * (V.KEYS_KEPT + 1) + 1
     assert not m.check([V.dkey(0, 0)]) and m.check([V.dkey(0, 399)])
 
 

@@ -53,7 +53,7 @@ def test_one_store_vote_per_node_and_a_failure_anywhere_aborts_everywhere(store)
     ws = workers(store, nodes=2, per_node=2)
     got = vote_all(ws, 0, [True] * 4)
     assert all(d.commit for d in got.values()) and len(got) == 4
-    # two nodes voted, not four ranks
+    assert store.get(V.nkey(0, 0)) == b"2"                        # two nodes voted, not four ranks
     assert store.check([V.rkey(0, 0, 0), V.rkey(0, 0, 2)]) and not store.check([V.rkey(0, 0, 1)])
     assert [ws[r][1].in_store for r in range(4)] == [True, False, True, False]
     got = vote_all(ws, 1, [True, True, True, False])             # node 1's second rank saw a failure

@@ -54,6 +54,13 @@ class Timeouts:
     controller_timeout_s: float = 10.0     # agents: controller silent this long -> it is gone
     shutdown_s: float = 10.0               # clean exit before processes are killed
 
+    @property
+    def ping_interval_s(self) -> float:
+        """The controller pings every agent this often: four pings in an agent's
+        controller_timeout_s, not one per heartbeat (a ping costs the controller ~30 us a link,
+        60 ms a second at 1,024 nodes with a ping every heartbeat)."""
+        return self.controller_timeout_s / 4
+
     def check(self) -> None:
         order = [
             ("heartbeat_interval_s", "heartbeat_timeout_s"),

@@ -220,7 +220,8 @@ def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float 
     from ..control import auth
     from ..control.mpi import POLL_BUSY_S, POLL_IDLE_S, mpi
     from ..controller.core import Controller
-    from ..messages import Move, Prepare, Recover, ToWorkers
+    from .. import jobdir
+    from ..messages import Move, Ping, Prepare, Recover, ToWorkers
     from ..planner import plan_planned, plan_recovery
     from ..roles import JobState, Role
 
@@ -291,6 +292,13 @@ def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float 
             for m in ch.poll():
                 ctl._dispatch(node, m)
         hb_s = (time.thread_time() - t) / nodes
+        # what the rest of the loop's periodic work costs once: a ping to every link, status.json
+        t = time.thread_time()
+        ctl.broadcast(Ping(0, time.time()))
+        ping_s = time.thread_time() - t
+        t = time.thread_time()
+        ctl.records.write_status()
+        status_s = time.thread_time() - t
         # a swap and a recovery of node 1 onto the standby, planned and announced on every link
         slot, joiner = 1, names[-1]
         t = time.perf_counter()
@@ -333,6 +341,12 @@ def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float 
         "store_server_cpu_per_step_s": round((cpu - main) / steps, 5),
         "heartbeat_s": round(hb_s, 7),
         "heartbeat_cpu_per_agent_s_per_s": round(hb_s / cfg.timeouts.heartbeat_interval_s, 6),
+        # the controller's CPU a second by what it does: every agent's heartbeats opened and
+        # dispatched, the pings, status.json; the rest is the loop's own passes
+        "controller_cpu_per_s_by_part": {
+            "heartbeats": round(hb_s * nodes / cfg.timeouts.heartbeat_interval_s, 5),
+            "pings": round(ping_s / cfg.timeouts.ping_interval_s, 5),
+            "status_json": round(status_s / jobdir.STATUS_EVERY_S, 5)},
         "store_ops_per_step": round(ops, 1), "store_keys_end": store_keys,
         "swap_plan_s": round(swap_s, 5), "recovery_plan_s": round(recovery_s, 5),
         "groups_rebuilt": {"swap": len(plan.builds), "recovery": len(rplan.builds)},

@@ -1,19 +1,20 @@
 """The per-step commit vote and the agreed switch point, both through the controller's TCPStore.
 
-Every node votes before its optimizer step (its ranks agree first: comm/nodevote.py) by writing
-its own sealed vote key. The voter of the node that holds rank 0 decides: once every node's
-sealed vote is there it reads the controller's pending switch and writes the decision with
-compare_set, so exactly one decision per (generation, step) exists and every rank reads the same
-one. A rank that saw a failure, the controller, the decider when a vote is missing after the
-timeout, or a voter whose wait for the decision timed out writes "abort" the same way and wins
-only if nobody committed first. The pending switch rides in the decision, so a planned swap
-happens at the same step boundary everywhere. Nobody applies a partial update: a step is applied
-only under a commit decision.
+Every node votes before its optimizer step (its ranks agree first: comm/nodevote.py): its own
+sealed vote key, then the shared count. The voter that brings the count to the number of nodes
+decides: it reads every node's sealed vote (the count cannot be sealed, a stranger who reaches
+the store could add to it, so the count only says who checks) and the controller's pending
+switch, and writes the decision with compare_set, so exactly one decision per (generation,
+step) exists and every rank reads the same one. Everyone else waits for the decision key, so an
+abort written by a rank that saw a failure, by the controller, or by a voter whose wait timed
+out wakes them all at once; it wins only if nobody committed first. The pending switch rides in
+the decision, so a planned swap happens at the same step boundary everywhere. Nobody applies a
+partial update: a step is applied only under a commit decision.
 
-What a healthy step costs, in store round trips: every voter one write, then one wait that ends
-when the decision is written and one read; the decider instead waits for the votes, reads them
-(2) and the pending switch (1) and writes the decision (1). Nothing is counted: a counter cannot
-be sealed, and knowing who decides makes one unnecessary (docs/design.md §3).
+What a healthy step costs, in store round trips: every voter a write and an add, then a wait
+that ends when the decision is written and one read (a never-matching compare_set: a get is
+two); the deciding voter instead reads the votes (1), the pending switch (1) and writes the
+decision (1). A decider that waited for the votes themselves would not hear an abort.
 """
 from __future__ import annotations
 
@@ -46,6 +47,10 @@ class Decision:
         d = json.loads(raw)
         return Decision(bool(d["c"]), d.get("sw"), d.get("gen"), d.get("ck"), bool(d.get("x", 0)),
                         d.get("why", ""))
+
+
+def nkey(gen: int, step: int) -> str:
+    return f"vote/g{gen}/s{step}/n"
 
 
 def rkey(gen: int, step: int, rank: int) -> str:
@@ -83,10 +88,11 @@ def peek(store, key: str) -> bytes | None:
 
 
 def forget(store, gen: int, step: int, rank: int) -> None:
-    """Delete this rank's part of an old step's keys (rank 0 also the decision), so the store
-    holds a bounded number of keys whatever the number of steps."""
+    """Delete this rank's part of an old step's keys (rank 0 also the count and the decision),
+    so the store holds a bounded number of keys whatever the number of steps."""
     store.delete_key(rkey(gen, step, rank))
     if rank == 0:
+        store.delete_key(nkey(gen, step))
         store.delete_key(dkey(gen, step))
 
 
@@ -99,11 +105,11 @@ def abort(store, gen: int, step: int, why: str) -> Decision:
 def vote(store, gen: int, step: int, world: int, ok: bool, timeout: float, rank: int,
          per_node: int = 1) -> Decision:
     """`per_node` > 1: the first rank of each node of that many votes for its node
-    (comm/nodevote.py), so the voters are ranks 0, per_node, 2 * per_node, ..."""
+    (comm/nodevote.py); the count then reaches world // per_node."""
     if not ok:
         return abort(store, gen, step, "a rank saw a failure")
     store.set(rkey(gen, step, rank), "ok")
-    if rank == 0:
+    if store.add(nkey(gen, step), 1) == world // per_node:
         return _decide(store, gen, step, world, timeout, per_node)
     try:
         store.wait([dkey(gen, step)], timedelta(seconds=timeout))
@@ -115,15 +121,16 @@ def vote(store, gen: int, step: int, world: int, ok: bool, timeout: float, rank:
 def _decide(store, gen: int, step: int, world: int, timeout: float, per_node: int) -> Decision:
     everyone = [rkey(gen, step, r) for r in range(0, world, per_node)]
     try:
-        store.wait(everyone, timedelta(seconds=timeout))
-    except Exception:
-        return abort(store, gen, step, f"not every node voted within {timeout}s")
-    try:
+        # every real voter wrote its key before adding, so they are all there unless the count
+        # was forged; multi_get waits for its keys itself, up to the client's timeout (a
+        # worker's client has the vote's): a wait of its own only for another timeout
+        if store.timeout != timedelta(seconds=timeout):
+            store.wait(everyone, timedelta(seconds=timeout))
         sealed = all(v == b"ok" for v in store.multi_get(everyone))
-    except Exception:       # a value not written by this job
+    except Exception:       # a vote missing after the timeout, or not written by this job
         sealed = False
     if not sealed:
-        return abort(store, gen, step, "a node's vote is not its sealed ok")
+        return abort(store, gen, step, "the count reached the world without every node's sealed vote")
     pk = pending_key(gen)
     raw_p = peek(store, pk) or b""
     p = json.loads(raw_p) if raw_p else {}

@@ -566,7 +566,7 @@ class Controller:
         if now >= L["ping"]:
             L["ping_seq"] += 1
             self.broadcast(Ping(L["ping_seq"], time.time()))
-            L["ping"] = now + self.T.heartbeat_interval_s
+            L["ping"] = now + self.T.ping_interval_s
         if now >= L["status"]:
             self.records.write_status()
             L["status"] = now + jobdir.STATUS_EVERY_S
