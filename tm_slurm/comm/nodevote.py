@@ -3,7 +3,7 @@
 The node's workers combine their verdicts with one MIN all-reduce over a gloo group of their own
 (loopback: only this node's processes, built when they start, standbys too), the first of them
 votes for the node in the store (comm/vote.py, `per_node`), and a broadcast hands its decision to
-the others. Store operations per step fall from ~4 per rank to ~4 per node: 8,192 ranks on 1,024
+the others. Store operations per step fall from ~5 per rank to ~5 per node: 8,192 ranks on 1,024
 nodes are 1,024 voters.
 
 The guarantees stay those of the store vote: a rank that saw a failure makes its node vote abort;
