@@ -18,6 +18,7 @@ What is real and what is emulated (README "Control plane at scale"):
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -192,9 +193,11 @@ class Agents:
         self.seq = 0
         self.step = -1
         self.cpu = 0.0
+        self.beating = False     # a garbage collection now is the emulated agents', not the controller's
 
     def beat(self, step: int) -> None:
         t = time.thread_time()
+        self.beating = True
         self.seq += 1
         now = time.time()
         new = range(self.step + 1, step + 1)
@@ -205,6 +208,7 @@ class Agents:
                           for i, r in enumerate(ranks or [None] * self.rpn))
             ch.send(Heartbeat(name, self.seq, now, infos))
             ch.poll(limit=1 << 20)
+        self.beating = False
         self.cpu += time.thread_time() - t
 
 
@@ -215,21 +219,20 @@ def _cpu_of(fn) -> float:
 
 
 class _GcTime:
-    """Seconds this process spent in garbage collection until `stop`."""
+    """Seconds this process spent in garbage collection until `stop`, but for the collections
+    that start while `skip()` is true (the emulated agents', whose CPU is not the controller's)."""
 
-    def __init__(self):
-        import gc
-        self.total, self._t0 = 0.0, 0.0
+    def __init__(self, skip):
+        self.total, self._t0, self._skip = 0.0, None, skip
         gc.callbacks.append(self._cb)
 
     def _cb(self, phase: str, _info) -> None:
         if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
+            self._t0 = None if self._skip() else time.perf_counter()
+        elif self._t0 is not None:
             self.total += time.perf_counter() - self._t0
 
     def stop(self) -> None:
-        import gc
         gc.callbacks.remove(self._cb)
 
 
@@ -294,7 +297,7 @@ def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float 
         for k in kids:
             k.stdin.write("go\n")
             k.stdin.flush()
-        gc_s = _GcTime()
+        gc_s = _GcTime(lambda: agents.beating)
         cpu0, main0, t0 = _cpu(), time.thread_time(), time.monotonic()
         next_beat = 0.0
         while any(k.poll() is None for k in kids):
@@ -371,7 +374,7 @@ def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float 
             "heartbeats": round(hb_s * nodes / cfg.timeouts.heartbeat_interval_s, 5),
             "pings": round(ping_s / cfg.timeouts.ping_interval_s, 5),
             "status_json": round(status_s / jobdir.STATUS_EVERY_S, 5),
-            # Python's collector walking what the controller holds (every rank's step window)
+            # Python's collector, in the controller's own work (the agents' beats left out)
             "garbage_collection": round(gc_s.total / wall, 5)},
         "store_ops_per_step": round(ops, 1), "store_keys_end": store_keys,
         "swap_plan_s": round(swap_s, 5), "recovery_plan_s": round(recovery_s, 5),
