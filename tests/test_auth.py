@@ -32,16 +32,21 @@ def test_codec_round_trips_every_shape_the_control_plane_sends():
     hb = Heartbeat("node1", 7, 1.5, (WorkerInfo(0, 11, 2, 5, 4, True, 0.01, ((4, 0.05, 0.1, float("nan"), 1e9),)),))
     rep = StandbyReady(2, None, None, warm=True, sandbox={"roles": ["first", "last"], "per": {1: (2, 3)}, "none": None})
     for msg in (launch, hb, WorkerReport("node1", 0, rep), ToWorkers(_plan()), Challenge("n"), Announce("node1", 5)):
-        back = codec.loads(codec.dumps(msg))
-        assert type(back) is type(msg)
-        assert repr(back) == repr(msg)          # nan != nan: compare the printed form
+        # the wire's positional form, and the named one of files
+        for back in (codec.loads(codec.prepare(msg).encode()), codec.loads(codec.dumps(msg))):
+            assert type(back) is type(msg)
+            assert repr(back) == repr(msg)      # nan != nan: compare the printed form
     assert codec.loads(codec.dumps(launch)).config == cfgmod.to_dict(cfgmod.Config())
 
 
 @pytest.mark.parametrize("raw,why", [
+    (b'{"#m":"Popen","a":[]}', "unknown message type"),
+    (b'{"#m":"Challenge","a":["a",0]}', "2 fields, not 1..1"),
+    (b'{"#m":"Challenge","a":[]}', "0 fields, not 1..1"),
     (b'{"#m":"Popen","f":{}}', "unknown message type"),
     (b'{"#m":"Challenge","f":{"nonce":"a","uid":0}}', "unknown fields"),
     (b'{"#m":"Challenge","f":{}}', "missing fields"),
+    (b'{"#m":"Challenge","x":[]}', "unknown tags"),
     (b'{"#x":1}', "unknown tags"),
     (b'{"#d":[[[1],2]]}', "mapping key"),
     (b"[" * 100000, "not JSON"),
@@ -120,25 +125,34 @@ def test_a_forged_count_cannot_commit_a_step_before_every_rank_voted():
     assert got[0] == got[1] == first                          # one decision for everyone: abort
 
 
-@pytest.mark.parametrize("timeout", [1.0, 5.0])     # its own wait; multi_get's (the client's timeout)
-def test_a_forged_vote_cannot_commit_a_step(timeout):
-    server, client = _stores()
-    stranger = client(None)
-    # a node's vote under its listed name, not sealed with the job's secret, and the count it adds
-    stranger.set(KEYS.store_prefix + V.rkey(0, 5, 2), b"\0" * 40 + b"ok")
-    stranger.add(KEYS.store_prefix + V.nkey(0, 5), 1)
-    got = [None, None]
+def _vote_together(client, step, ranks, timeout=5.0):
+    got = {}
 
-    def vote(i):
-        got[i] = V.vote(client(), 0, 5, 3, True, timeout, i)
-    ths = [threading.Thread(target=vote, args=(i,)) for i in (0, 1)]
+    def vote(r):
+        got[r] = V.vote(client(), 0, step, 3, True, timeout, r)
+    ths = [threading.Thread(target=vote, args=(r,)) for r in ranks]
     for t in ths:
         t.start()
     for t in ths:
-        t.join(5)
+        t.join(10)
+    return [got[r] for r in ranks]
+
+
+@pytest.mark.parametrize("forgery", ["unsealed", "misaligned", "replayed from another step"])
+def test_a_forged_vote_cannot_commit_a_step(forgery):
+    server, client = _stores()
+    stranger = client(None)
+    assert all(d.commit for d in _vote_together(client, 4, [0, 1, 2]))
+    step4 = bytes(stranger.get(KEYS.store_prefix + V.vkey(0, 4)))
+    # node 2's vote appended to the step's votes without the job's secret, and the count it adds
+    piece = {"unsealed": b"\0" * 32 + (2).to_bytes(4, "big"), "misaligned": b"\0" * 7,
+             "replayed from another step": step4[-36:]}[forgery]
+    stranger.append(KEYS.store_prefix + V.vkey(0, 5), piece)
+    stranger.add(KEYS.store_prefix + V.nkey(0, 5), 1)
+    got = _vote_together(client, 5, [0, 1])
     assert not got[0].commit and "sealed" in got[0].why
     assert got[1] == got[0]                                   # one decision for everyone: abort
-    assert V.peek(client(), V.dkey(0, 5)) == got[0].encode().encode()
+    assert client().peek(V.dkey(0, 5)) == got[0].encode().encode()
 
 
 # ------------------------------------------------------------------------ admission

@@ -9,8 +9,10 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from tm_slurm.comm import vote as V
+from tm_slurm.comm.sealed import SealedStore
+from tm_slurm.control.auth import Keys
 from tm_slurm.controller.holders import Holders
-from tm_slurm.controller.progress import CommittedMin, Progress
+from tm_slurm.controller.progress import KEEP, CommittedMin, Progress, keep_for
 from tm_slurm.topology import Topology
 from tm_slurm.config import Layout
 
@@ -25,22 +27,25 @@ def test_step_records_are_a_window_and_the_committed_step_is_incremental():
         p.add(0, [rec(s)])
         p.add(1, [rec(s)])
     assert len(p.by_rank[0]) == 50 and p.committed(0) == 9_999 and p.min_committed([0, 1]) == 9_999
-    assert min(p.losses()) == 9_950 and p.steady() is not None
+    # losses are a window of their own (result.json), as long whatever `keep` a large job has
+    assert min(p.losses()) == 10_000 - KEEP and p.losses()[9_999] == rec(9_999)[3] and p.steady() is not None
     p.add(0, [rec(9_990)])                          # a replay after a rollback: still the top
     assert p.committed(0) == 9_999
     p.clear()
     assert p.committed(0) is None
+    assert keep_for(8) == KEEP and keep_for(8192) * 8192 <= 1 << 19     # 1,024 x 8: 64 steps a rank
 
 
 def test_vote_keys_are_deleted_and_the_store_stays_bounded():
-    m = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    m = SealedStore(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=10)), Keys.derive(b"b" * 32))
     voted: deque = deque()
     for step in range(400):
         assert V.vote(m, 0, step, 1, True, 5.0, 0).commit
         voted.append((0, step))
         if len(voted) > V.KEYS_KEPT:
-            V.forget(m, *voted.popleft(), 0)
-    # three keys per kept step (the rank's vote, the count, the decision), whatever the length
+            V.forget(m, *voted.popleft())
+    # three keys per kept step (the votes, the count, the decision), whatever the length
     assert m.num_keys() <= 3 * (V.KEYS_KEPT + 1) + 1
     assert not m.check([V.dkey(0, 0)]) and m.check([V.dkey(0, 399)])
 
@@ -73,3 +78,17 @@ def test_the_committed_step_is_asked_every_tick_and_passes_over_all_ranks_once_a
     assert cm.get(holders) == 2 and len(passes) == 5
     p.clear()
     assert cm.get(holders) is None
+
+
+def test_the_controllers_heap_is_frozen_once_and_later_garbage_is_still_collected():
+    import subprocess
+    import sys
+    code = ("import gc, weakref\n"
+            "from tm_slurm import heap\n"
+            "n = heap.freeze_startup()\n"
+            "class C: pass\n"
+            "a, b = C(), C(); a.b, b.a = b, a; w = weakref.ref(a); del a, b\n"
+            "gc.collect(); print(n, w() is None)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    frozen, collected = out.stdout.split()
+    assert int(frozen) > 1000 and collected == "True", out.stderr

@@ -8,16 +8,21 @@ import torch.distributed as dist
 
 from tm_slurm.comm import vote as V
 from tm_slurm.comm.nodevote import NodeVote, pack, unpack
+from tm_slurm.comm.sealed import SealedStore
+from tm_slurm.control.auth import Keys
+
+KEYS = Keys.derive(b"n" * 32)
 
 
 @pytest.fixture
 def store():
-    yield dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    m = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    yield SealedStore(m, KEYS)
 
 
 def client(m):
-    return dist.TCPStore("127.0.0.1", m.port, is_master=False, wait_for_workers=False,
-                         timeout=timedelta(seconds=10))
+    return SealedStore(dist.TCPStore("127.0.0.1", m.inner.port, is_master=False, wait_for_workers=False,
+                                     timeout=timedelta(seconds=10)), KEYS)
 
 
 def workers(m, nodes, per_node, timeout_s=10.0):
@@ -53,9 +58,8 @@ def test_one_store_vote_per_node_and_a_failure_anywhere_aborts_everywhere(store)
     ws = workers(store, nodes=2, per_node=2)
     got = vote_all(ws, 0, [True] * 4)
     assert all(d.commit for d in got.values()) and len(got) == 4
-    assert store.get(V.nkey(0, 0)) == b"2"                        # two nodes voted, not four ranks
-    assert store.check([V.rkey(0, 0, 0), V.rkey(0, 0, 2)]) and not store.check([V.rkey(0, 0, 1)])
-    assert [ws[r][1].in_store for r in range(4)] == [True, False, True, False]
+    assert store.add(V.nkey(0, 0), 0) == 2                        # two nodes voted, not four ranks
+    assert sorted(V.voters(store, 0, 0)) == [0, 2]                # each node's first rank
     got = vote_all(ws, 1, [True, True, True, False])             # node 1's second rank saw a failure
     assert not any(d.commit for d in got.values())
     V.set_pending(store, 0, plan_id=4, gen_to=1)

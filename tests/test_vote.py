@@ -1,4 +1,4 @@
-"""The commit vote on a real TCPStore, with real threads as voters."""
+"""The commit vote on a real TCPStore (sealed, as the job's store is), with real threads as voters."""
 import threading
 from datetime import timedelta
 
@@ -6,17 +6,21 @@ import pytest
 import torch.distributed as dist
 
 from tm_slurm.comm import vote as V
+from tm_slurm.comm.sealed import SealedStore
+from tm_slurm.control.auth import Keys
+
+KEYS = Keys.derive(b"v" * 32)
 
 
 @pytest.fixture
 def store():
     m = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    yield m
+    yield SealedStore(m, KEYS)
 
 
 def client(m):
-    return dist.TCPStore("127.0.0.1", m.port, is_master=False, wait_for_workers=False,
-                         timeout=timedelta(seconds=10))
+    return SealedStore(dist.TCPStore("127.0.0.1", m.inner.port, is_master=False, wait_for_workers=False,
+                                     timeout=timedelta(seconds=10)), KEYS)
 
 
 def vote_all(m, world, gen, step, oks):
@@ -82,9 +86,16 @@ def test_missing_voter_times_out_into_abort(store):
 
 def test_peek_reads_without_waiting_or_creating(store):
     c = client(store)
-    assert V.peek(c, "k") is None and not c.check(["k"])
+    assert c.peek("k") is None and not c.check(["k"])
     c.set("k", "v")
-    assert V.peek(c, "k") == b"v"
+    assert c.peek("k") == b"v"
+
+
+def test_the_votes_of_a_step_are_one_key_of_sealed_pieces(store):
+    assert all(d.commit for d in vote_all(store, 3, 0, 0, [True] * 3))
+    assert sorted(V.voters(store, 0, 0)) == [0, 1, 2] and store.add(V.nkey(0, 0), 0) == 3
+    V.forget(store, 0, 0)
+    assert not store.check([V.vkey(0, 0)]) and not store.check([V.nkey(0, 0)]) and not store.check([V.dkey(0, 0)])
 
 
 def test_abort_walks_past_steps_the_controller_has_not_heard_of(store):

@@ -73,6 +73,7 @@ class Counted:
     def get(self, *a): return self._call("get", *a)
     def compare_set(self, *a): return self._call("compare_set", *a)
     def multi_get(self, *a): return self._call("multi_get", *a)
+    def append(self, *a): return self._call("append", *a)
     def add(self, *a): return self._call("add", *a)
     def check(self, *a): return self._call("check", *a)
     def wait(self, *a): return self._call("wait", *a)
@@ -105,9 +106,10 @@ def voters_main(spec: dict) -> int:
             times.append((t0, time.monotonic(), d.commit))
             if rank == 0:
                 counted.inner.set("bench/step", str(step))     # for the emulated agents' progress
-            kept.append(step)
+            if rank == 0:
+                kept.append(step)
             if len(kept) > votes.KEYS_KEPT:
-                votes.forget(store, 0, kept.pop(0), rank)
+                votes.forget(store, 0, kept.pop(0))
             time.sleep(step_s)
         with lock:
             out[node] = {"times": times, "ops": counted.ops}
@@ -245,6 +247,7 @@ def _topology(nodes: int, rpn: int):
 def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float | None = None, procs: int = 4,
             say=lambda *a: None) -> dict:
     from .. import config as cfgmod
+    from .. import heap
     from ..control import auth
     from ..control.mpi import POLL_BUSY_S, POLL_IDLE_S, mpi
     from ..controller.core import Controller
@@ -291,6 +294,7 @@ def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float 
         MPI = mpi()
         agents = Agents(ctl, MPI, rpn)
         ctl.job.set(JobState.RUNNING)
+        heap.freeze_startup()                  # as reports.on_started does when every rank started
         rss_start = _rss_mb()
         say(f"  {nodes} nodes x {rpn}: controller up ({rss_start:.0f} MB), voting {steps} steps ...")
         raw = ctl.store.inner

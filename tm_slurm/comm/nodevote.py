@@ -53,11 +53,6 @@ class NodeVote:
             opts._timeout = timedelta(seconds=timeout_s)
             self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"nodevote/{spawn}", store), local, per_node, opts)
 
-    @property
-    def in_store(self) -> bool:
-        """This worker's votes leave keys in the store (to delete later)."""
-        return self.local == 0
-
     def __call__(self, store, gen: int, step: int, world: int, ok: bool, timeout: float,
                  rank: int) -> votes.Decision:
         if self.pg is None:

@@ -6,7 +6,8 @@ stranger who reaches the port learns key names; the prefix only keeps the job ap
 other key in the store. What protects the job is the seal: a value written without the secret
 (a forged vote, switch decision or group rendezvous address) fails the check and is refused as if
 it were absent. Counters (`add`) cannot be sealed; the vote does not trust them alone
-(comm/vote.py). A Python `dist.Store`, so gloo/NCCL rendezvous through PrefixStore go through it.
+(comm/vote.py). An appended key is a run of sealed pieces of one size, each checked on its own.
+A Python `dist.Store`, so gloo/NCCL rendezvous through PrefixStore go through it.
 """
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..control.auth import MAC_BYTES, AuthError, Keys, mac
+
+# compare_set with this as both expected and desired value reads a key in one round trip without
+# waiting for it (a get is two: wait, then get) and without creating it: a sealed value or a run
+# of sealed pieces never is this
+_ABSENT = b"\0absent"
 
 
 class SealedStore(dist.Store):
@@ -50,6 +56,30 @@ class SealedStore(dist.Store):
         # the store's "expected empty" means "absent"; a sealed value is never empty
         exp = b"" if expected in ("", b"") else self._seal(key, expected)
         return self._open(key, self.inner.compare_set(self._k(key), exp, self._seal(key, desired)))
+
+    def peek(self, key) -> bytes | None:
+        """The value of KEY, or None if there is none yet, without waiting for it."""
+        raw = self._raw(key)
+        return None if raw is None else self._open(key, raw)
+
+    def append(self, key, value) -> None:
+        """Add a sealed piece to KEY. The store does not answer an append, so it costs no round
+        trip; what this client sends later reaches the store after it."""
+        self.inner.append(self._k(key), self._seal(key, value))
+
+    def pieces(self, key, size: int) -> list[bytes]:
+        """The values of the pieces appended to KEY (none if it is absent), each `size` bytes;
+        AuthError if any was not written by this job."""
+        raw = self._raw(key) or b""
+        step = MAC_BYTES + size
+        if len(raw) % step:
+            self.refused += 1
+            raise AuthError(f"store value of {key!r} is not a run of sealed pieces")
+        return [self._open(key, raw[i:i + step]) for i in range(0, len(raw), step)]
+
+    def _raw(self, key) -> bytes | None:
+        raw = bytes(self.inner.compare_set(self._k(key), _ABSENT, _ABSENT))
+        return None if raw == _ABSENT else raw
 
     def multi_get(self, keys) -> list[bytes]:
         return [self._open(k, v) for k, v in zip(keys, self.inner.multi_get([self._k(k) for k in keys]))]

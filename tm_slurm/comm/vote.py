@@ -1,20 +1,23 @@
 """The per-step commit vote and the agreed switch point, both through the controller's TCPStore.
 
-Every node votes before its optimizer step (its ranks agree first: comm/nodevote.py): its own
-sealed vote key, then the shared count. The voter that brings the count to the number of nodes
-decides: it reads every node's sealed vote (the count cannot be sealed, a stranger who reaches
-the store could add to it, so the count only says who checks) and the controller's pending
-switch, and writes the decision with compare_set, so exactly one decision per (generation,
-step) exists and every rank reads the same one. Everyone else waits for the decision key, so an
+Every node votes before its optimizer step (its ranks agree first: comm/nodevote.py): it appends
+its sealed vote (its rank) to the step's vote key, then adds to the shared count. The voter that
+brings the count to the number of nodes decides: it reads the step's votes, one key whatever the
+number of nodes (the count cannot be sealed, a stranger who reaches the store could add to it,
+so the count only says who checks; the append and the add travel on one connection, so every
+real vote is in before its count), and the controller's pending switch, and writes the decision
+with compare_set, so exactly one decision per (generation, step) exists and every rank reads the
+same one. Everyone else waits for the decision key, so an
 abort written by a rank that saw a failure, by the controller, or by a voter whose wait timed
 out wakes them all at once; it wins only if nobody committed first. The pending switch rides in
 the decision, so a planned swap happens at the same step boundary everywhere. Nobody applies a
 partial update: a step is applied only under a commit decision.
 
-What a healthy step costs, in store round trips: every voter a write and an add, then a wait
-that ends when the decision is written and one read (a never-matching compare_set: a get is
-two); the deciding voter instead reads the votes (1), the pending switch (1) and writes the
-decision (1). A decider that waited for the votes themselves would not hear an abort.
+What a healthy step costs, in store round trips: every voter an append (the store does not
+answer it) and an add, then a wait that ends when the decision is written and one read (a
+never-matching compare_set: a get is two); the deciding voter instead reads the votes (1), the
+pending switch (1) and writes the decision (1). A decider that waited for the votes themselves
+would not hear an abort.
 """
 from __future__ import annotations
 
@@ -53,8 +56,8 @@ def nkey(gen: int, step: int) -> str:
     return f"vote/g{gen}/s{step}/n"
 
 
-def rkey(gen: int, step: int, rank: int) -> str:
-    return f"vote/g{gen}/s{step}/r{rank}"
+def vkey(gen: int, step: int) -> str:
+    return f"vote/g{gen}/s{step}/v"
 
 
 def dkey(gen: int, step: int) -> str:
@@ -69,31 +72,24 @@ def switch_key(plan_id: int) -> str:
     return f"plan{plan_id}/switch_step"
 
 
-# a step's vote keys are deleted this many of the rank's votes later: every rank is past it by
-# then (votes are step-synchronous), and the controller's abort_in_flight only looks at the steps
-# the ranks report they are working on
+# a step's vote keys are deleted this many votes later (by rank 0): every rank is past it by then
+# (votes are step-synchronous), and the controller's abort_in_flight only looks at the steps the
+# ranks report they are working on
 KEYS_KEPT = 64
 
-
-# compare_set with this as both expected and desired value reads a key in one round trip without
-# waiting for it (a get is two: wait, then get) and without creating it: no vote, decision or
-# pending switch is ever this value
-_ABSENT = "\0absent"
+_RANK = 4      # bytes of a vote: the voting rank
 
 
-def peek(store, key: str) -> bytes | None:
-    """The value of KEY, or None if there is none yet."""
-    raw = bytes(store.compare_set(key, _ABSENT, _ABSENT))
-    return None if raw == _ABSENT.encode() else raw
+def voters(store, gen: int, step: int) -> list[int]:
+    """The ranks whose sealed votes for (gen, step) are in; AuthError if one is not this job's."""
+    return [int.from_bytes(v, "big") for v in store.pieces(vkey(gen, step), _RANK)]
 
 
-def forget(store, gen: int, step: int, rank: int) -> None:
-    """Delete this rank's part of an old step's keys (rank 0 also the count and the decision),
-    so the store holds a bounded number of keys whatever the number of steps."""
-    store.delete_key(rkey(gen, step, rank))
-    if rank == 0:
-        store.delete_key(nkey(gen, step))
-        store.delete_key(dkey(gen, step))
+def forget(store, gen: int, step: int) -> None:
+    """Rank 0: delete an old step's keys, so the store holds a bounded number of keys whatever
+    the number of steps."""
+    for k in (vkey(gen, step), nkey(gen, step), dkey(gen, step)):
+        store.delete_key(k)
 
 
 def abort(store, gen: int, step: int, why: str) -> Decision:
@@ -108,31 +104,25 @@ def vote(store, gen: int, step: int, world: int, ok: bool, timeout: float, rank:
     (comm/nodevote.py); the count then reaches world // per_node."""
     if not ok:
         return abort(store, gen, step, "a rank saw a failure")
-    store.set(rkey(gen, step, rank), "ok")
+    store.append(vkey(gen, step), rank.to_bytes(_RANK, "big"))
     if store.add(nkey(gen, step), 1) == world // per_node:
-        return _decide(store, gen, step, world, timeout, per_node)
+        return _decide(store, gen, step, world, per_node)
     try:
         store.wait([dkey(gen, step)], timedelta(seconds=timeout))
     except Exception:
         return abort(store, gen, step, f"no decision within {timeout}s")
-    return Decision.decode(peek(store, dkey(gen, step)) or store.get(dkey(gen, step)))
+    return Decision.decode(store.peek(dkey(gen, step)) or store.get(dkey(gen, step)))
 
 
-def _decide(store, gen: int, step: int, world: int, timeout: float, per_node: int) -> Decision:
-    everyone = [rkey(gen, step, r) for r in range(0, world, per_node)]
+def _decide(store, gen: int, step: int, world: int, per_node: int) -> Decision:
     try:
-        # every real voter wrote its key before adding, so they are all there unless the count
-        # was forged; multi_get waits for its keys itself, up to the client's timeout (a
-        # worker's client has the vote's): a wait of its own only for another timeout
-        if store.timeout != timedelta(seconds=timeout):
-            store.wait(everyone, timedelta(seconds=timeout))
-        sealed = all(v == b"ok" for v in store.multi_get(everyone))
-    except Exception:       # a vote missing after the timeout, or not written by this job
+        sealed = sorted(set(voters(store, gen, step))) == list(range(0, world, per_node))
+    except Exception:       # a piece not written by this job
         sealed = False
     if not sealed:
         return abort(store, gen, step, "the count reached the world without every node's sealed vote")
     pk = pending_key(gen)
-    raw_p = peek(store, pk) or b""
+    raw_p = store.peek(pk) or b""
     p = json.loads(raw_p) if raw_p else {}
     dec = Decision(True, p.get("plan"), p.get("gen"), p.get("ckpt"), bool(p.get("exit", False)))
     got = Decision.decode(store.compare_set(dkey(gen, step), "", dec.encode()))

@@ -42,7 +42,7 @@ from .holders import Holders
 from .liveness import controller_cut_off
 from .intake import Decision, Fail, Intake, Migrate, ReleaseStandby, Stop, TakeCheckpoint
 from .pool import Pool
-from .progress import CommittedMin, Progress
+from .progress import CommittedMin, Progress, keep_for
 from .records import Records
 from .reports import ON_REPORT
 from .requests import Inbox as RequestInbox, Request, slurm_user_uid
@@ -84,7 +84,7 @@ class Controller:
         self.workers: dict[str, dict[int, object]] = {}
         self.started: set[int] = set()
         self.standby_up: dict[str, set[int]] = {}
-        self.progress = Progress()
+        self.progress = Progress(keep_for(self.topo.world))
         self._committed = CommittedMin(self.progress)
         self.finished: dict[int, str] = {}
         self.exited: set[tuple[str, int]] = set()

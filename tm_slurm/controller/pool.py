@@ -62,8 +62,7 @@ class Pool:
             since = ctl.holders.since.get(n, 0)
             per_step: dict[int, float] = {}
             for r in ctl.topo.slot_ranks(ctl.nodes.nodes[n].slot):
-                for s, rec in ctl.progress.by_rank.get(r, {}).items():
-                    if s >= since:
-                        per_step[s] = max(per_step.get(s, 0.0), rec.busy_s)
+                for s, busy in ctl.progress.busy_since(r, since).items():
+                    per_step[s] = max(per_step.get(s, 0.0), busy)
             out[n] = [per_step[s] for s in sorted(per_step)]
         return out

@@ -18,19 +18,34 @@ class StepRecord:
     busy_s: float = 0.0   # the step function's time outside collectives: its own work
 
 
+# the fields of a record, as it is kept: a plain tuple of numbers, which Python's collector stops
+# tracking (at 1,024 x 8 ranks a window of records is millions of objects: as dataclasses they
+# were most of what its full collections walked)
+STEP, DUR, COMPUTE, LOSS, WALL, FIRST, BUSY = range(7)
+
 # steps kept per rank: more than any measuring window (a swap's, the straggler check's, the
-# steady step time's), so memory and per-tick work do not grow with the job's length
+# steady step time's), so memory and per-tick work do not grow with the job's length; a large
+# job keeps fewer, down to MIN_KEEP, so the window stays within about RECORDS_KEPT records
 KEEP = 512
+MIN_KEEP = 64
+RECORDS_KEPT = 1 << 18
+
+
+def keep_for(world: int) -> int:
+    return max(MIN_KEEP, min(KEEP, RECORDS_KEPT // max(world, 1)))
 
 
 class Progress:
     def __init__(self, keep: int = KEEP):
         self.keep = keep
-        self.by_rank: dict[int, dict[int, StepRecord]] = defaultdict(dict)
+        self.by_rank: dict[int, dict[int, tuple]] = defaultdict(dict)
         self._top: dict[int, int] = {}
         # step -> how many ranks hold a record of it: whether a step is complete is then one
         # look-up, not a pass over every rank per heartbeat (which grew with nodes x ranks)
         self._have: dict[int, int] = {}
+        # step -> (rank, loss) of the lowest rank that reported a loss, the last KEEP steps
+        # (result.json): a window of its own, as long at any size of job
+        self._loss: dict[int, tuple[int, float]] = {}
         self.cleared = 0
         self.moved: set[int] = set()      # ranks whose latest step changed (CommittedMin empties it)
 
@@ -42,14 +57,23 @@ class Progress:
         self._have.clear()
 
     def add(self, rank: int, entries) -> None:
+        """`entries`: StepRecord fields of each step, as the workers report them (busy_s may be
+        left out)."""
         d = self.by_rank[rank]
         for e in entries:
-            r = StepRecord(*e)
-            if r.step not in d:
-                self._have[r.step] = self._have.get(r.step, 0) + 1
-            d[r.step] = r
-            if r.step > self._top.get(rank, r.step - 1):
-                self._top[rank] = r.step
+            if len(e) not in (6, 7):
+                raise TypeError(f"a step record has 6 or 7 fields, not {len(e)}")
+            r = tuple(e) if len(e) == 7 else (*e, 0.0)
+            step = r[STEP]
+            if step not in d:
+                self._have[step] = self._have.get(step, 0) + 1
+            d[step] = r
+            if r[LOSS] is not None and rank <= self._loss.get(step, (rank, None))[0]:
+                self._loss[step] = (rank, r[LOSS])
+                if len(self._loss) > KEEP:
+                    del self._loss[min(self._loss)]
+            if step > self._top.get(rank, step - 1):
+                self._top[rank] = step
                 self.moved.add(rank)
         while len(d) > self.keep:
             old = next(iter(d))           # the oldest reported
@@ -71,7 +95,19 @@ class Progress:
         return None if not vals or None in vals else min(vals)
 
     def record(self, rank: int, step: int) -> StepRecord | None:
-        return self.by_rank.get(rank, {}).get(step)
+        r = self.by_rank.get(rank, {}).get(step)
+        return None if r is None else StepRecord(*r)
+
+    def _slowest(self, step: int, ranks) -> float | None:
+        """The slowest of `ranks`' step time of `step` if each has committed it and none of
+        them had just (re)started."""
+        worst = 0.0
+        for rk in ranks:
+            x = self.by_rank.get(rk, {}).get(step)
+            if x is None or x[FIRST]:
+                return None
+            worst = max(worst, x[DUR])
+        return worst
 
     def steady(self, before: int | None = None, window: int = 20, ranks=None) -> float | None:
         """Median over recent steps of the slowest rank's step time (steps after a restart and
@@ -80,45 +116,45 @@ class Progress:
         steps = sorted({s for r in ranks for s in self.by_rank.get(r, {})})
         if before is not None:
             steps = [s for s in steps if s < before]
-        per_step = []
-        for s in steps[2:][-window:]:
-            recs = [self.by_rank[r].get(s) for r in ranks]
-            if all(x is not None and not x.first for x in recs):
-                per_step.append(max(x.dur_s for x in recs))
+        per_step = [x for s in steps[2:][-window:] if (x := self._slowest(s, ranks)) is not None]
         return statistics.median(per_step) if per_step else None
 
     def steady_between(self, lo: int, hi: int, ranks=None) -> float | None:
         """Median over steps lo..hi (inclusive) of the slowest rank's step time."""
         ranks = list(self.by_rank) if ranks is None else list(ranks)
-        per_step = []
-        for s in range(lo, hi + 1):
-            recs = [self.by_rank.get(r, {}).get(s) for r in ranks]
-            if all(x is not None and not x.first for x in recs):
-                per_step.append(max(x.dur_s for x in recs))
+        per_step = [x for s in range(lo, hi + 1) if (x := self._slowest(s, ranks)) is not None]
         return statistics.median(per_step) if per_step else None
 
     def slowest(self, step: int, ranks) -> StepRecord | None:
-        recs = [self.record(r, step) for r in ranks]
-        if any(x is None for x in recs):
+        recs = [self.by_rank.get(r, {}).get(step) for r in ranks]
+        if not recs or any(x is None for x in recs):
             return None
-        return max(recs, key=lambda x: x.dur_s)
+        return StepRecord(*max(recs, key=lambda x: x[DUR]))
 
     def all_at(self, step: int, ranks) -> bool:
-        return all(self.record(r, step) is not None for r in ranks)
+        return all(step in self.by_rank.get(r, {}) for r in ranks)
+
+    def step_line(self, step: int, ranks) -> tuple[float, float | None, float] | None:
+        """(latest commit wall time, a loss, slowest step time) of `step` over `ranks`, once
+        every one of them has committed it."""
+        recs = [self.by_rank.get(r, {}).get(step) for r in ranks]
+        if any(x is None for x in recs):
+            return None
+        return (max(x[WALL] for x in recs), next((x[LOSS] for x in recs if x[LOSS] is not None), None),
+                max(x[DUR] for x in recs))
 
     def busy(self, rank: int, last: int) -> list[float]:
         """Own-work times of the rank's last `last` committed steps (oldest first)."""
         d = self.by_rank.get(rank, {})
-        return [d[s].busy_s for s in sorted(d)[-last:]]
+        return [d[s][BUSY] for s in sorted(d)[-last:]]
+
+    def busy_since(self, rank: int, since: int) -> dict[int, float]:
+        """Own-work time of each of the rank's kept steps from `since` on."""
+        return {s: x[BUSY] for s, x in self.by_rank.get(rank, {}).items() if s >= since}
 
     def losses(self) -> dict[int, float]:
-        """Loss per step, for the steps still kept (the last KEEP)."""
-        out = {}
-        for recs in self.by_rank.values():
-            for s, r in recs.items():
-                if r.loss is not None:
-                    out[s] = r.loss
-        return dict(sorted(out.items()))
+        """Loss per step (the lowest rank's that has one), for the last KEEP steps."""
+        return {s: x[1] for s, x in sorted(self._loss.items())}
 
 
 class CommittedMin:

@@ -35,19 +35,18 @@ class Records:
         for s in sorted(set(steps)):
             if ctl.progress.reported(s) < ctl.topo.world:
                 continue
-            recs = [ctl.progress.record(r, s) for r in range(ctl.topo.world)]
-            if None in recs:
+            line = ctl.progress.step_line(s, range(ctl.topo.world))
+            if line is None:
                 continue
-            wall = max(r.wall for r in recs)
+            wall, loss, dur = line
             if self._steps_logged.get(s, -1.0) >= wall:
                 continue
             self._steps_logged[s] = wall
             if len(self._steps_logged) > 2 * KEEP:
                 for old in sorted(self._steps_logged)[:KEEP]:
                     del self._steps_logged[old]
-            loss = next((r.loss for r in recs if r.loss is not None), None)
             self._steps_f.write({"step": s, "wall": round(wall, 6), "gen": ctl.gen, "loss": loss,
-                                 "dur_s": round(max(r.dur_s for r in recs), 6)})
+                                 "dur_s": round(dur, 6)})
 
     def snapshot(self) -> dict:
         ctl = self.ctl

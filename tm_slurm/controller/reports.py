@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from .. import heap
 from ..exits import Exit
 from ..messages import (CheckpointDone, CommError, Crashed, Exiting, Finished, Joined, Left, Recovered,
                         RecoveryTimeout, Report, StandbyReady, Started, Stopped, Switched)
@@ -18,6 +19,7 @@ def on_started(ctl, node: str, local: int, rep: Started) -> None:
     ctl.total_steps = rep.steps or ctl.total_steps
     if ctl.job.state == JobState.STARTING and len(ctl.started) == ctl.topo.world:
         ctl.job.set(JobState.RUNNING, since_start_s=round(time.monotonic() - ctl.t_start, 3))
+        heap.freeze_startup()
     if all(r in ctl.started for r in ctl.topo.slot_ranks(ctl.nodes.nodes[node].slot)):
         ctl.nodes.set_ready(node)
 
