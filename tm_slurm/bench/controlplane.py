@@ -106,8 +106,7 @@ def voters_main(spec: dict) -> int:
             times.append((t0, time.monotonic(), d.commit))
             if rank == 0:
                 counted.inner.set("bench/step", str(step))     # for the emulated agents' progress
-            if rank == 0:
-                kept.append(step)
+                kept.append(step)                              # rank 0 deletes a step's keys
             if len(kept) > votes.KEYS_KEPT:
                 votes.forget(store, 0, kept.pop(0))
             time.sleep(step_s)

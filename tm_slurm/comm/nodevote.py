@@ -3,8 +3,8 @@
 The node's workers combine their verdicts with one MIN all-reduce over a gloo group of their own
 (loopback: only this node's processes, built when they start, standbys too), the first of them
 votes for the node in the store (comm/vote.py, `per_node`), and a broadcast hands its decision to
-the others. Store operations per step fall from ~5 per rank to ~5 per node: 8,192 ranks on 1,024
-nodes are 1,024 voters.
+the others. Store operations per step fall from 4 per rank to 4 per node (comm/vote.py): 8,192
+ranks on 1,024 nodes are 1,024 voters.
 
 The guarantees stay those of the store vote: a rank that saw a failure makes its node vote abort;
 the decision is the one in the store. A worker of the node that dies or hangs fails the node's
