@@ -86,8 +86,10 @@ def _stores():
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
 
     def client(keys=KEYS):
+        # a connect on this loaded 2-core machine has taken over 5 s: the votes' own waits have
+        # timeouts of their own
         raw = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
-                            timeout=timedelta(seconds=5))
+                            timeout=timedelta(seconds=30))
         return raw if keys is None else SealedStore(raw, keys)
     return server, client
 
@@ -115,8 +117,10 @@ def test_a_forged_count_cannot_commit_a_step_before_every_rank_voted():
     first = V.vote(client(), 0, 5, 3, True, 0.5, 0)          # the count says 3 = world
     assert not first.commit and "sealed vote" in first.why
 
+    stores = [client(), client()]               # connected before the votes race
+
     def late(i):
-        got[i] = V.vote(client(), 0, 5, 3, True, 1.0, i + 1)
+        got[i] = V.vote(stores[i], 0, 5, 3, True, 1.0, i + 1)
     ths = [threading.Thread(target=late, args=(i,)) for i in (0, 1)]
     for t in ths:
         t.start()
@@ -126,10 +130,10 @@ def test_a_forged_count_cannot_commit_a_step_before_every_rank_voted():
 
 
 def _vote_together(client, step, ranks, timeout=5.0):
-    got = {}
+    got, stores = {}, {r: client() for r in ranks}    # connected before the votes race
 
     def vote(r):
-        got[r] = V.vote(client(), 0, step, 3, True, timeout, r)
+        got[r] = V.vote(stores[r], 0, step, 3, True, timeout, r)
     ths = [threading.Thread(target=vote, args=(r,)) for r in ranks]
     for t in ths:
         t.start()

@@ -28,9 +28,10 @@ def client(m):
 def workers(m, nodes, per_node, timeout_s=10.0):
     """{rank: (its store client, its NodeVote)}, built the way the node's workers start: together."""
     out, ths = {}, []
-    for r in range(nodes * per_node):
+    stores = [client(m) for _ in range(nodes * per_node)]   # connected one by one: a burst of
+    for r in range(nodes * per_node):                        # connects here has outlasted a timeout
         def make(r=r):
-            c = client(m)
+            c = stores[r]
             out[r] = (c, NodeVote(c, f"spawn{r // per_node}", r % per_node, per_node, timeout_s))
         ths.append(threading.Thread(target=make))
     for t in ths:

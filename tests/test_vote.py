@@ -24,8 +24,8 @@ def client(m):
 
 
 def vote_all(m, world, gen, step, oks):
-    out = [None] * world
-    ths = [threading.Thread(target=lambda i=i: out.__setitem__(i, V.vote(client(m), gen, step, world, oks[i], 5.0, i)))
+    out, stores = [None] * world, [client(m) for _ in range(world)]   # connected before the race
+    ths = [threading.Thread(target=lambda i=i: out.__setitem__(i, V.vote(stores[i], gen, step, world, oks[i], 5.0, i)))
            for i in range(world)]
     for t in ths:
         t.start()

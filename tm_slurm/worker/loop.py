@@ -21,7 +21,7 @@ from .. import jobdir
 from ..comm import vote as votes
 from ..control.auth import Keys, Sealer
 from ..control.wire import Wire
-from ..data import key
+from ..data import seed_step
 from ..events import fsync_write
 from ..exits import Exit
 from ..messages import Crashed, SwapPlan
@@ -64,7 +64,7 @@ def train(w: Worker, step_fn: StepFn, steps: int, start: int) -> None:
     first = True
     while step < steps and w.inbox.stop_reason is None:
         w.step = step
-        torch.manual_seed(key(w.cfg.seed, step, w.rank))
+        seed_step(w.device, w.cfg.seed, step, w.rank)
         t0 = time.perf_counter()
         (st.optimizer or st.model).zero_grad(set_to_none=True)
         w.table.broken.clear()

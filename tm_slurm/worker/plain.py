@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..comm.groups import build_group, pick_backend
 from ..comm.handles import GroupTable
 from ..config import Layout
-from ..data import key
+from ..data import seed_step
 from ..messages import GroupBuild
 from ..topology import Topology
 from .context import make_context
@@ -76,7 +76,7 @@ class PlainRun:
         times = []
         t_prev = time.perf_counter()
         for i in range(steps):
-            torch.manual_seed(key(self.ctx.seed, i, self.ctx.rank))
+            seed_step(self.ctx.device, self.ctx.seed, i, self.ctx.rank)
             (st.optimizer or st.model).zero_grad(set_to_none=True)
             yield i
             now = time.perf_counter()
