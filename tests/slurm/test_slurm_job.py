@@ -238,13 +238,32 @@ def test_batch_host_lost_twice_checkpoints_and_requeues_each_time(submit, minicl
     assert len(_survivors(job, 1)) >= 3 and second not in _survivors(job, 1)
     status = jobdir.status_file(job.dir)
     minicluster.restore(second, wait=True)
+    held = _released_if_held(job)
     _finished(job, ref_digests)
     starts = [e for e in job.events() if e["kind"] == "job_start"]
     assert len(starts) == 3 and all(s["resume_from"] for s in starts[1:]), "each requeued run resumed"
     ends = [e for e in job.events() if e["kind"] == "job_end"]
     assert [e["state"] for e in ends][-1] == "FINISHED" and status.exists()
     print(f"\n[batch host] crash: requeued after {headless:.1f}s; netcut: requeued after "
-          f"{headless2:.1f}s; resumed from {[Path(s['resume_from']).name for s in starts[1:]]}")
+          f"{headless2:.1f}s; resumed from {[Path(s['resume_from']).name for s in starts[1:]]}"
+          f"{'; held by Slurm (Duplicate jobid), released as the README says' if held else ''}")
+
+
+def _released_if_held(job: Job, timeout: float = 60) -> bool:
+    """The cut-off batch host, back on the network, may still hold the old run when Slurm 22.05
+    starts the requeued one there: its slurmd refuses it ("Duplicate jobid"), Slurm drains that
+    node and holds the job (launch_failed_requeued_held). What README "Limits" tells the user to
+    do: `scontrol release` it (it then runs on the other nodes). Whether it was held."""
+    end, held = time.monotonic() + timeout, False
+    while time.monotonic() < end:
+        out = job.mc.scontrol("show", "job", "-o", job.id).stdout
+        if "JobState=PENDING" not in out:
+            break
+        if "Reason=launch_failed_requeued_held" in out:
+            job.mc.scontrol("release", job.id)
+            held = True
+        time.sleep(0.5)
+    return held
 
 
 def test_netcut_and_hang_of_active_nodes_are_recovered_without_requeue(submit, minicluster, ref_digests):
