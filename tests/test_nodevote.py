@@ -28,8 +28,9 @@ def client(m):
 def workers(m, nodes, per_node, timeout_s=10.0):
     """{rank: (its store client, its NodeVote)}, built the way the node's workers start: together."""
     out, ths = {}, []
-    stores = [client(m) for _ in range(nodes * per_node)]   # connected one by one: a burst of
-    for r in range(nodes * per_node):                        # connects here has outlasted a timeout
+    # connected one by one, before the threads: a burst of connects has outlasted a timeout here
+    stores = [client(m) for _ in range(nodes * per_node)]
+    for r in range(nodes * per_node):
         def make(r=r):
             c = stores[r]
             out[r] = (c, NodeVote(c, f"spawn{r // per_node}", r % per_node, per_node, timeout_s))

@@ -19,9 +19,10 @@ def key(*parts: int) -> int:
 
 def seed_step(device: torch.device, *parts: int) -> None:
     """Seed a rank's random numbers for one step from `parts` (seed, step, rank): the CPU's, and
-    its GPU's where it computes on one. Not `torch.manual_seed`: on a machine where CUDA is not
+    the GPUs' on a CUDA job. Not `torch.manual_seed`: on a machine where CUDA is not
     initialised (a CPU job) it queues each seed for later with a formatted stack trace, 0.1 to
-    0.5 ms a step depending on the caller's stack depth (measured: README "Steady overhead")."""
+    0.5 ms a step depending on the caller's stack depth (measured: README "Steady-state
+    overhead")."""
     s = key(*parts)
     torch.default_generator.manual_seed(s)
     if device.type == "cuda":
