@@ -1,5 +1,5 @@
 """Shared fixtures. `reference`: the digests of an undisturbed run of the example job (the
-bar every interrupted run is held to), memoised per layout and length."""
+bar every interrupted run is held to), memoised per layout and length, run unpaced."""
 from __future__ import annotations
 
 import pytest
@@ -16,7 +16,7 @@ def reference(tmp_path_factory):
         key = (steps, tuple(layout), active, tuple(script_args), script)
         if key not in _refs:
             ran = run_job(tmp_path_factory.mktemp("ref"), f"{active}+0", steps, sets=["standby.count=0"],
-                          layout=layout, script_args=script_args, script=script)
+                          layout=layout, script_args=script_args, script=script, paced=False)
             assert ran.rc == 0, f"reference run failed: {ran.job_dir}"
             _refs[key] = ran.result["digests"]
         return _refs[key]

@@ -15,6 +15,9 @@ from tm_slurm.demo import TINY_MODEL, JobRun
 # steps are ~50 ms on this 2-core machine, paced with a short sleep so a standby's warm-up
 # (~5 s here) fits well inside a run
 TINY = [*TINY_MODEL, "--sleep", "0.06"]
+# a run with nothing injected into it (a reference, a resumed run) needs no pacing: the sleep
+# changes no number, only how long the run takes
+UNPACED = TINY_MODEL
 # generous liveness on a loaded 2-core CI machine (a false "dead" would be a test failure)
 ROBUST = ["timeouts.heartbeat_timeout_s=4", "timeouts.worker_heartbeat_timeout_s=4",
           "checkpoint.every_steps=10"]
@@ -73,11 +76,14 @@ def kill_leftovers(job_dir: Path) -> list[str]:
 
 
 def run_job(tmp: Path, local: str, steps: int, actions=(), sets=(), script_args=(), layout=(),
-            timeout: float = 420, faults: str = "", script: Path | None = None) -> Ran:
+            timeout: float = 420, faults: str = "", script: Path | None = None, paced: bool = True) -> Ran:
     """`faults`: TM_SLURM_FAULTS for the job (tm_slurm/faults.py), e.g. "join.ready@node5".
-    `script`: another job than the example (with the same pacing, not its model arguments)."""
+    `script`: another job than the example (with the same pacing, not its model arguments).
+    `paced`: steps slowed down as in TINY (False: only for a run without actions)."""
+    assert paced or not actions, "an unpaced run can end before its actions are injected"
+    pacing = TINY[len(TINY_MODEL):] if paced else []
     r = JobRun(tmp / "job", local, steps, list(actions), extra_args=list(layout),
-               script_args=[*(TINY if script is None else TINY[-2:]), *script_args],
+               script_args=[*(TINY_MODEL if script is None else []), *pacing, *script_args],
                sets=[*ROBUST, *sets], env={"TM_SLURM_FAULTS": faults} if faults else None,
                script=script)
     try:

@@ -10,10 +10,10 @@ import pytest
 from tm_slurm.bench import runs
 from tm_slurm.demo import EXAMPLES
 
-from ..jobs import TINY, run_job
+from ..jobs import UNPACED, run_job
 
 pytestmark = pytest.mark.procs
-STEPS = 150
+STEPS = 100
 ELASTIC = ["recovery.strategy=restart", "standby.prestart=false", "standby.sandbox=false"]
 
 
@@ -30,7 +30,7 @@ def test_elastic_restart_is_bit_identical(tmp_path, reference, verb, node):
 
 
 def test_plain_run_computes_what_tm_slurm_computes(tmp_path, reference):
-    _, info = runs.plain_steady(tmp_path, STEPS, TINY)
+    _, info = runs.plain_steady(tmp_path, STEPS, UNPACED)
     assert info["digests"] == reference(STEPS)
 
 

@@ -15,10 +15,10 @@ import pytest
 
 from tm_slurm.demo import example_paths
 
-from ..jobs import ROBUST, TINY, no_leftovers, run_job
+from ..jobs import ROBUST, UNPACED, no_leftovers, run_job
 
 pytestmark = pytest.mark.procs
-STEPS = 120
+STEPS = 100
 
 
 def _order(ran, *keys):
@@ -118,7 +118,7 @@ def _resume_to_end(ran, reference, steps, sets=()):
            "--job-dir", str(ran.job_dir), "--resume"]
     for s in [*ROBUST, *sets]:
         cmd += ["--set", s]
-    rc = subprocess.run(cmd + ["--", sys.executable, str(script), "--steps", str(steps), *TINY],
+    rc = subprocess.run(cmd + ["--", sys.executable, str(script), "--steps", str(steps), *UNPACED],
                         timeout=400, capture_output=True).returncode
     no_leftovers(ran.job_dir)
     assert rc == 0

@@ -4,7 +4,7 @@ import pytest
 from ..jobs import run_job
 
 pytestmark = pytest.mark.procs
-STEPS = 150
+STEPS = 100
 
 
 def _rss_kb(pid):

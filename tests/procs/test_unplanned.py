@@ -19,10 +19,10 @@ from tm_slurm.launch.local import fail, inject
 from tm_slurm.topology import Topology
 from tm_slurm.worker import checkpoint as ckpt
 
-from ..jobs import ROBUST, TINY, no_leftovers, run_job
+from ..jobs import ROBUST, UNPACED, no_leftovers, run_job
 
 pytestmark = pytest.mark.procs
-STEPS = 150
+STEPS = 100
 
 
 def _one_recovery(ran, node, *hows):
@@ -97,7 +97,7 @@ def test_no_standby_checkpoints_exits_requeueable_and_resumes(tmp_path, referenc
            "--job-dir", str(ran.job_dir), "--resume", "--set", "standby.count=0"]
     for s in ROBUST:
         cmd += ["--set", s]
-    rc = subprocess.run(cmd + ["--", sys.executable, str(script), "--steps", str(STEPS), *TINY],
+    rc = subprocess.run(cmd + ["--", sys.executable, str(script), "--steps", str(STEPS), *UNPACED],
                         timeout=400, capture_output=True).returncode
     no_leftovers(ran.job_dir)
     assert rc == 0
@@ -118,7 +118,7 @@ def test_no_standby_shrink_drops_the_replica_and_trains_on_at_half_size(tmp_path
     """`when_exhausted: shrink`: replica 0 loses node1; replica 1 (node2, node4) goes on as the
     dp=1 job, node3 (node1's partner) becomes a standby. The result must equal a dp=1 job
     started from the shrink checkpoint: the shrunk job is exactly a fresh job of that size."""
-    steps = STEPS + 100           # time enough for node3 to warm up as a standby after the shrink
+    steps = 250                   # time enough for node3 to warm up as a standby after the shrink
     ran = run_job(tmp_path, "4+0", steps, [(30, "kill", "node1")],
                   sets=["standby.count=0", "standby.when_exhausted=shrink", "checkpoint.keep=100"])
     assert ran.rc == 0
@@ -139,7 +139,7 @@ def test_no_standby_shrink_drops_the_replica_and_trains_on_at_half_size(tmp_path
            "--pp", "2", "--job-dir", str(tmp_path / "ref"), "--resume", str(d), "--set", "standby.count=0"]
     for s in ROBUST:
         cmd += ["--set", s]
-    rc = subprocess.run(cmd + ["--", sys.executable, str(script), "--steps", str(steps), *TINY],
+    rc = subprocess.run(cmd + ["--", sys.executable, str(script), "--steps", str(steps), *UNPACED],
                         timeout=400, capture_output=True).returncode
     no_leftovers(tmp_path / "ref")
     assert rc == 0
