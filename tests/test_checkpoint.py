@@ -2,6 +2,7 @@ import torch
 
 from tm_slurm.config import Layout
 from tm_slurm.topology import Topology
+from tm_slurm import checkpoints
 from tm_slurm.worker import checkpoint as ck
 from tm_slurm.worker.state import TrainState, digest
 
@@ -25,9 +26,9 @@ def save_all(root, step, seed):
 def test_only_dp0_writes_and_load_round_trips(tmp_path):
     assert ck.save(tmp_path, 10, 1, T, state(0)) is None       # rank 1 is dp 1
     save_all(tmp_path, 10, 0)
-    d = ck.step_dir(tmp_path, 10)
+    d = checkpoints.step_dir(tmp_path, 10)
     assert sorted(p.name for p in d.iterdir()) == ["pp0.tp0", "pp1.tp0"]
-    assert sorted(p.name for p in (d / "pp0.tp0").iterdir()) == ["__0_0.distcp", ck.INDEX, ck.INDEX_SUM]
+    assert sorted(p.name for p in (d / "pp0.tp0").iterdir()) == ["__0_0.distcp", checkpoints.INDEX, checkpoints.INDEX_SUM]
     fresh = state(99)
     assert ck.load(d, 3, T, fresh) == 10                      # rank 3: stage 1
     assert digest(fresh) == digest(state(1))
@@ -37,10 +38,10 @@ def test_corrupt_or_partial_checkpoint_is_rejected(tmp_path):
     save_all(tmp_path, 10, 0)
     save_all(tmp_path, 20, 0)
     save_all(tmp_path, 30, 0)
-    p = ck.step_dir(tmp_path, 30) / "pp1.tp0" / "__0_0.distcp"
+    p = checkpoints.step_dir(tmp_path, 30) / "pp1.tp0" / "__0_0.distcp"
     p.write_bytes(p.read_bytes()[:-7] + b"garbage")               # corrupt
-    (ck.step_dir(tmp_path, 20) / "pp0.tp0" / ck.INDEX_SUM).unlink()   # partial
-    found, rejected = ck.latest_valid(tmp_path, T)
+    (checkpoints.step_dir(tmp_path, 20) / "pp0.tp0" / checkpoints.INDEX_SUM).unlink()   # partial
+    found, rejected = checkpoints.latest_valid(tmp_path, T)
     assert found[0] == 10
     assert [s for s, _ in rejected] == [30, 20] and "pp1.tp0" in rejected[0][1]
 
@@ -48,8 +49,8 @@ def test_corrupt_or_partial_checkpoint_is_rejected(tmp_path):
 def test_prune_keeps_newest_valid(tmp_path):
     for s in (10, 20, 30):
         save_all(tmp_path, s, 0)
-    assert ck.prune(tmp_path, T, keep=2) == [10]
-    assert [s for s, _ in ck.candidates(tmp_path)] == [30, 20]
+    assert checkpoints.prune(tmp_path, T, keep=2) == [10]
+    assert [s for s, _ in checkpoints.candidates(tmp_path)] == [30, 20]
 
 
 def test_explicit_writer(tmp_path):
@@ -72,9 +73,9 @@ def test_async_write_and_a_planted_pickle_index(tmp_path):
     fut.result()
     one = Topology(Layout(dp=1, pp=1))
     fresh = state(7)
-    assert ck.load(ck.step_dir(tmp_path, 10), 0, one, fresh) == 10 and digest(fresh) == want
-    sd = ck.step_dir(tmp_path, 10) / "pp0.tp0"
+    assert ck.load(checkpoints.step_dir(tmp_path, 10), 0, one, fresh) == 10 and digest(fresh) == want
+    sd = checkpoints.step_dir(tmp_path, 10) / "pp0.tp0"
     evil = pickle.dumps({"step": 10})
-    (sd / ck.INDEX).write_bytes(evil)
-    (sd / ck.INDEX_SUM).write_text(hashlib.sha256(evil).hexdigest())
-    assert ck.latest_valid(tmp_path, one)[0] is None
+    (sd / checkpoints.INDEX).write_bytes(evil)
+    (sd / checkpoints.INDEX_SUM).write_text(hashlib.sha256(evil).hexdigest())
+    assert checkpoints.latest_valid(tmp_path, one)[0] is None

@@ -13,6 +13,7 @@ import torch
 from tm_slurm import events as evlog
 from tm_slurm.config import Layout
 from tm_slurm.topology import Topology
+from tm_slurm import checkpoints
 from tm_slurm.worker import checkpoint as ckpt
 from tm_slurm.worker.state import TrainState
 
@@ -67,6 +68,6 @@ def test_a_checkpoint_that_does_not_fit_leaves_nothing_of_its_shard(small_fs):
     t = Topology(Layout())
     with pytest.raises(OSError):
         ckpt.save(small_fs / "ckpt", 10, 0, t, state)
-    d = ckpt.step_dir(small_fs / "ckpt", 10)
+    d = checkpoints.step_dir(small_fs / "ckpt", 10)
     assert list(d.iterdir()) == []
-    assert ckpt.latest_valid(small_fs / "ckpt", t)[0] is None
+    assert checkpoints.latest_valid(small_fs / "ckpt", t)[0] is None

@@ -3,13 +3,17 @@ job, a node that is only cut off from a live controller does not end the job, an
 that is itself cut off knows it (controller/liveness.py)."""
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 from tm_slurm import jobdir
 from tm_slurm.agent import controller_alive
 from tm_slurm.controller.liveness import controller_cut_off
+from tm_slurm.controller.records import Records
+from tm_slurm.events import EventLog
 
 
 def test_the_lost_notes_of_a_requeued_run_are_not_the_first_runs(tmp_path, monkeypatch):
@@ -44,6 +48,51 @@ def test_a_status_file_still_rewritten_means_the_controller_is_alive(tmp_path):
     finally:
         stop.set()
         t.join()
+
+
+def test_a_large_jobs_status_is_touched_between_snapshots_and_still_shows_the_controller_alive(tmp_path):
+    """At 1,024 nodes the snapshot is rewritten every 5 s, or at the next touch after something
+    was logged; the touches in between (every STATUS_EVERY_S) are what the agents watch."""
+    log = EventLog(jobdir.events_file(tmp_path), "j")
+    ctl = SimpleNamespace(job_dir=tmp_path, log=log, nodes=SimpleNamespace(nodes=dict.fromkeys(range(1024))))
+    rec = Records(ctl)
+    made = []
+    rec.snapshot = lambda: made.append(len(made)) or {"n": len(made)}
+    status = jobdir.status_file(tmp_path)
+    assert jobdir.snapshot_every_s(1024) == 5.0 and jobdir.snapshot_every_s(8) == jobdir.STATUS_EVERY_S
+
+    def content():
+        return json.loads(status.read_text())["n"]
+    rec.write_status(0.0)
+    stamp = status.stat().st_mtime_ns
+    time.sleep(0.01)
+    rec.write_status(0.5)                        # nothing happened: touched only
+    assert content() == 1 and status.stat().st_mtime_ns != stamp
+    log.emit("node_ready", node="n1")
+    rec.write_status(1.0)                        # something was logged: rewritten
+    rec.write_status(1.5)
+    assert content() == 2
+    rec.write_status(6.5)                        # 5 s since the last rewrite
+    assert content() == 3
+    rec.write_status()                           # the last one, at the end: always written
+    assert content() == 4
+    stop = threading.Event()
+
+    def loop():
+        now = 7.0
+        while not stop.is_set():
+            rec.write_status(now)
+            now += jobdir.STATUS_EVERY_S
+            time.sleep(jobdir.STATUS_EVERY_S)
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    try:
+        assert controller_alive(status, 4 * jobdir.STATUS_EVERY_S)
+        assert content() == 4, "touches only"
+    finally:
+        stop.set()
+        t.join()
+        log.close()
 
 
 def test_the_controller_is_cut_off_only_when_most_of_its_agents_go_silent_together():

@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from tm_slurm.config import Layout
 from tm_slurm.topology import Topology
+from tm_slurm import checkpoints
 from tm_slurm.worker import checkpoint as ck
 from tm_slurm.worker.state import TrainState
 
@@ -92,7 +93,7 @@ def _rank(phase, r, world, layout, d, port):
             ck.save(d, 20, r, topo, s)
         else:
             s = _state(layout, mesh, seed=2)         # other weights: all of it must come from d
-            assert ck.load(ck.step_dir(d, 20), r, topo, s) == 20
+            assert ck.load(checkpoints.step_dir(d, 20), r, topo, s) == 20
         torch.save(_full(s), d / f"{phase}-{r}.pt")
         dist.barrier()
     except BaseException:
@@ -137,7 +138,7 @@ def test_a_sharded_checkpoint_reads_back_into_other_shard_layouts(tmp_path, wrot
     saved = _run("save", wrote, tmp_path)
     for r in saved[1:]:
         _same(saved[0], r)
-    assert not ck.bad_shards(ck.step_dir(tmp_path, 20), Topology(wrote))
+    assert not checkpoints.bad_shards(checkpoints.step_dir(tmp_path, 20), Topology(wrote))
     for lay in reads:
         for got in _run("load", lay, tmp_path):
             _same(saved[0], got)

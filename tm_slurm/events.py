@@ -51,6 +51,7 @@ class EventLog:
         self._lock = threading.Lock()
         self._lines = Lines(self.path)
         self._dropped_since: float | None = None
+        self.emitted = 0            # records asked for: readers see whether something happened
 
     def emit(self, kind: str, *, node: str | None = None, rank: int | None = None,
              step: int | None = None, gen: int | None = None, **details: Any) -> dict:
@@ -60,6 +61,7 @@ class EventLog:
                "node": node, "rank": rank, "step": step, "kind": kind}
         rec.update(details)
         with self._lock:
+            self.emitted += 1
             lost = self._lines.dropped
             if not self._lines.write(rec):
                 self._dropped_since = self._dropped_since or rec["ts"]

@@ -13,7 +13,7 @@ import pytest
 from ..jobs import run_job
 
 pytestmark = pytest.mark.procs
-STEPS = 200
+STEPS = 150
 LAYOUT = ("--dp", "2", "--pp", "1", "--tp", "2", "--ranks-per-node", "2")
 
 

@@ -17,7 +17,7 @@ from tm_slurm.config import Layout
 from tm_slurm.demo import example_paths
 from tm_slurm.launch.local import fail, inject
 from tm_slurm.topology import Topology
-from tm_slurm.worker import checkpoint as ckpt
+from tm_slurm import checkpoints as ckpt
 
 from ..jobs import ROBUST, UNPACED, no_leftovers, run_job
 

@@ -19,6 +19,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from .. import config as cfgmod
+from .. import checkpoints as ckpt
 from .. import jobdir
 from ..comm import vote as votes
 from ..comm.sealed import SealedStore
@@ -31,7 +32,6 @@ from ..messages import (Aborted, AgentBye, Fence, GroupBuild, Heartbeat, Launch,
 from ..planner import initial_builds, plan_planned
 from ..roles import JobState, JobStatus, NodeTable, Role
 from ..topology import Topology
-from ..worker import checkpoint as ckpt
 from .admission import Admission
 from .episodes.base import Episode, Failure
 from .episodes.ending import Ending
@@ -568,7 +568,7 @@ class Controller:
             self.broadcast(Ping(L["ping_seq"], time.time()))
             L["ping"] = now + self.T.ping_interval_s
         if now >= L["status"]:
-            self.records.write_status()
+            self.records.write_status(now)
             L["status"] = now + jobdir.STATUS_EVERY_S
         return (now < L["busy_until"] or self.busy()
                 or self.job.state in (JobState.STARTING, JobState.STOPPING))

@@ -8,10 +8,10 @@ import os
 import time
 from pathlib import Path
 from concurrent.futures import Future, ThreadPoolExecutor
+from .. import checkpoints as ckpt
 from .. import jobdir
 from ..events import Lines, fsync_write
 from ..roles import Role
-from ..worker import checkpoint as ckpt
 from .episodes.recovery import Recovery
 from .progress import KEEP
 from .episodes.swap import PlannedSwap
@@ -27,6 +27,7 @@ class Records:
         self._verifying: dict[int, Future] = {}
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix="tm-ckpt-verify")
         self.status_frozen = False      # a cut-off controller (liveness.py) stops its heartbeat file
+        self._snapshot_due, self._snapshot_events = 0.0, -1
 
     def steps(self, steps) -> None:
         """`steps.jsonl`: one line per step once every rank has committed it (again, after a
@@ -78,12 +79,24 @@ class Records:
         rss = next((int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS:")), 0)
         return {"store_keys": keys, "rss_mb": round(rss / 1024, 1)}
 
-    def write_status(self) -> None:
-        """Atomic (readers never see half a file) but not fsynced: a snapshot, rewritten twice
-        a second, that is worth no disk flush."""
+    def write_status(self, now: float | None = None) -> None:
+        """Touched every STATUS_EVERY_S (`now`: the loop's monotonic time), its content rewritten
+        when something was logged since or `snapshot_every_s` passed, and always without `now`.
+        Atomic (readers never see half a file) but not fsynced: a snapshot that is worth no disk
+        flush."""
         if self.status_frozen:
             return
         p = jobdir.status_file(self.ctl.job_dir)
+        events = self.ctl.log.emitted
+        if now is not None and now < self._snapshot_due and events == self._snapshot_events:
+            try:
+                os.utime(p)
+                return
+            except OSError:
+                pass                # not written yet: write it
+        if now is not None:
+            self._snapshot_due = now + jobdir.snapshot_every_s(len(self.ctl.nodes.nodes))
+        self._snapshot_events = events
         tmp = p.with_name(".status.json.tmp")
         try:
             tmp.write_text(json.dumps(self.snapshot()))    # no indent: C's encoder, 10x faster at 1,024 nodes

@@ -104,7 +104,7 @@ def resolve(cfg: cfgmod.Config, args) -> JobSpec:
 
 def resume_checkpoint(cfg: cfgmod.Config, job_dir: Path, resume: str | None) -> str | None:
     from ..topology import Topology
-    from ..worker import checkpoint as ckpt
+    from .. import checkpoints as ckpt
     if resume is None:
         return None
     source = job_dir

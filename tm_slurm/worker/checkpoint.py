@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -45,6 +44,8 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.tensor import DTensor
 
 from .. import jobdir
+from ..checkpoints import (INDEX, INDEX_SUM, parts, read_indexes, sha, shard_name, shards, step_dir,
+                           unusable)
 from ..control import codec
 from ..events import fsync_write
 from ..messages import CheckpointIndex
@@ -52,31 +53,6 @@ from ..topology import Topology
 from . import state as st
 from .state import TrainState
 
-_STEP = re.compile(r"^step(\d{8})$")
-_KEY = re.compile(r"^pp(\d+)\.tp(\d+)(?:\.dp(\d+))?$")
-INDEX, INDEX_SUM = "index.json", "index.sha256"
-_MAX_INDEX = 64 << 20            # an index is names and numbers: anything bigger is not one of ours
-
-
-def root(cfg, job_dir: Path) -> Path:
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(job_dir) / "checkpoints"
-
-
-def step_dir(root_: Path, step: int) -> Path:
-    return Path(root_) / f"step{step:08d}"
-
-
-def shard_name(topo: Topology, rank: int) -> str:
-    return topo.state_key(rank)
-
-
-def shards(topo: Topology) -> list[str]:
-    return sorted({shard_name(topo, r) for r in range(topo.world)})
-
-
-def _parts(key: str) -> tuple[int, int, int]:
-    m = _KEY.match(key)
-    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
 
 
 # ---------------------------------------------------------------- writing
@@ -153,14 +129,6 @@ def _dcp(fn, what: str, *args, **kwargs):
         raise RuntimeError(f"{what}: {type(exc).__name__}: {exc}") from None
 
 
-def _sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def write(root_: Path, s: Staged) -> Path:
     """Write a staged shard; on failure (a full disk) nothing of it is left behind."""
     d = step_dir(root_, s.step)
@@ -183,7 +151,7 @@ def write(root_: Path, s: Staged) -> Path:
             sizes = next(c.sizes for c in meta.chunks if c.offsets == wr.index.offset)
             tensors[wr.index.fqn][2].append([list(wr.index.offset), list(sizes), info.relative_path,
                                              info.offset, info.length])
-        files = {f: _sha(sd / f) for f in sorted({wr.storage_data.relative_path for wr in w.results})}
+        files = {f: sha(sd / f) for f in sorted({wr.storage_data.relative_path for wr in w.results})}
         for f in files:
             os.chmod(sd / f, 0o600)                  # DCP creates them with the umask
         data = codec.dumps(CheckpointIndex(s.step, s.key, s.keys, tensors, s.plain, files))
@@ -223,77 +191,6 @@ class Writer:
 
 
 # ---------------------------------------------------------------- reading
-
-def _index(sd: Path) -> CheckpointIndex | None:
-    """A shard's verified index (its data files' digests checked too); None if anything is off."""
-    try:
-        data = (sd / INDEX).read_bytes()[:_MAX_INDEX + 1]
-        if len(data) > _MAX_INDEX or hashlib.sha256(data).hexdigest() != (sd / INDEX_SUM).read_text().strip():
-            return None
-        ix = codec.loads(data)
-        if not isinstance(ix, CheckpointIndex) or ix.key != sd.name:
-            return None
-        for f, want in ix.files.items():
-            if "/" in f or f.startswith(".") or _sha(sd / f) != want:
-                return None
-    except (OSError, ValueError, TypeError):
-        return None
-    return ix
-
-
-def _indexes(d: Path) -> dict[str, CheckpointIndex | None]:
-    return {p.name: _index(p) for p in Path(d).iterdir() if p.is_dir() and _KEY.match(p.name)}
-
-
-def bad_shards(d: Path, topo: Topology) -> list[str]:
-    """Shards of the checkpoint in `d` that are missing or do not match their digests, for the
-    layout it was written in; or why this job (`topo`) cannot load it at all."""
-    return _bad(_indexes(d), topo)
-
-
-def _bad(found: dict[str, CheckpointIndex | None], topo: Topology) -> list[str]:
-    good = {k: ix for k, ix in found.items() if ix is not None}
-    layouts = {ix.keys for ix in good.values()}
-    if len(layouts) > 1:
-        return sorted(good)
-    expected = next(iter(layouts)) if layouts else tuple(shards(topo))
-    bad = [k for k in expected if k not in good]
-    if not bad:
-        theirs = {_parts(k)[:2] for k in expected}
-        if theirs != {_parts(k)[:2] for k in shards(topo)}:
-            return [f"written with pipeline/tensor shards {sorted(theirs)}, this job has "
-                    f"{sorted({_parts(k)[:2] for k in shards(topo)})}"]
-    return bad
-
-
-def candidates(root_: Path) -> list[tuple[int, Path]]:
-    """Checkpoint directories, newest first."""
-    out = []
-    if Path(root_).is_dir():
-        for p in Path(root_).iterdir():
-            m = _STEP.match(p.name)
-            if m and p.is_dir():
-                out.append((int(m.group(1)), p))
-    return sorted(out, reverse=True)
-
-
-def latest_valid(root_: Path, topo: Topology) -> tuple[tuple[int, Path] | None, list[tuple[int, str]]]:
-    """(newest valid checkpoint, [(step, why) for each newer one that was rejected])."""
-    rejected = []
-    for step, p in candidates(root_):
-        bad = bad_shards(p, topo)
-        if not bad:
-            return (step, p), rejected
-        rejected.append((step, f"shards {bad} missing or not matching their digest"))
-    return None, rejected
-
-
-def prune(root_: Path, topo: Topology, keep: int) -> list[int]:
-    valid = [(s, p) for s, p in candidates(root_) if not bad_shards(p, topo)]
-    for _, p in valid[keep:]:
-        shutil.rmtree(p, ignore_errors=True)
-    return [s for s, _ in valid[keep:]]
-
 
 class _Reader(FileSystemReader):
     """DCP's file reader over a metadata merged from shard indexes (never a pickled one)."""
@@ -339,13 +236,13 @@ def load(d: Path, rank: int, topo: Topology, state: TrainState) -> int:
     """Load `rank`'s part of the checkpoint in `d` (verified), resharded to this job's layout if it
     was written in another; returns the step to resume at."""
     key = shard_name(topo, rank)
-    pp, tp, pos = _parts(key)
-    every = _indexes(d)              # read and hashed once: data files can be gigabytes
-    found = {k: ix for k, ix in every.items() if _parts(k)[0] == pp}
-    bad = _bad(every, topo)
+    pp, tp, pos = parts(key)
+    every = read_indexes(d)              # read and hashed once: data files can be gigabytes
+    found = {k: ix for k, ix in every.items() if parts(k)[0] == pp}
+    bad = unusable(every, topo)
     if bad or not found:
         raise RuntimeError(f"checkpoint {d} is incomplete, corrupt or of another layout: {bad or [key]}")
-    order = sorted(found.values(), key=lambda ix: (ix.key != key, _parts(ix.key)[1] != tp, _parts(ix.key)[2]))
+    order = sorted(found.values(), key=lambda ix: (ix.key != key, parts(ix.key)[1] != tp, parts(ix.key)[2]))
     md = _merge(order)
     st.allocate(state, {n: (tuple(m.size), str(m.properties.dtype))
                         for n, m in md.state_dict_metadata.items()}, local=False)

@@ -13,7 +13,7 @@ import queue
 import time
 from pathlib import Path
 
-from .. import jobdir
+from .. import checkpoints, jobdir
 from ..events import fsync_write
 from ..exits import Exit
 from ..messages import Checkpoint, LostState
@@ -38,7 +38,7 @@ def controller_lost(w, pending: int | None, error) -> None:
             w.report("store_lost", pending, error=str(error)[:300])
             exit_clean(Exit.GAVE_UP)
     d = jobdir.lost_dir(w.job_dir)
-    me = LostState(w.rank, w.node, w.committed, pending, ckpt.shard_name(w.topo, w.rank))
+    me = LostState(w.rank, w.node, w.committed, pending, checkpoints.shard_name(w.topo, w.rank))
     fsync_write(d / f"rank{w.rank}.json", w.transfer_sealer().seal(me))
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline and len(list(d.glob("rank*.json"))) < w.topo.world:
@@ -55,7 +55,7 @@ def controller_lost(w, pending: int | None, error) -> None:
     able = sorted(p.rank for p in peers if p.shard == me.shard and
                   (p.committed == k or (p.committed == k - 1 and p.pending == k)))
     if able and able[0] == w.rank:
-        ckpt.save(ckpt.root(w.cfg, w.job_dir), k + 1, w.rank, w.topo, w.state, writer=True)
+        ckpt.save(checkpoints.root(w.cfg, w.job_dir), k + 1, w.rank, w.topo, w.state, writer=True)
     fsync_write(d / f"rank{w.rank}.done", b"")
     exit_clean(Exit.REQUEUE)
 

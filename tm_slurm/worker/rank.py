@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .. import checkpoints
 from .. import config as cfgmod
 from .. import faults
 from ..comm.groups import Group, Reaper, build_group, pick_backend
@@ -204,7 +205,7 @@ class Worker:
         raised: the rank trains on and the previous checkpoint stays the valid one."""
         self.checkpoint_done(wait=True)          # one in flight at most
         t0 = time.perf_counter()
-        root = ckpt.root(self.cfg, self.job_dir)
+        root = checkpoints.root(self.cfg, self.job_dir)
         if background and writer is None:
             fut = self.ckpt_writer.submit(root, next_step, self.rank, self.topo, self.state)
             if fut is not None:

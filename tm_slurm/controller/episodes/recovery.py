@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import enum
 
+from ... import checkpoints as ckpt
 from ...messages import (Aborted, CancelPlan, Joined, Move, Recover, RecoverBuilt, RecoverFailed, Recovered,
                          Report, Resume, ToWorkers, WriteCheckpoint)
 from ...planner import (PlanError, ShrinkPlan, choose_joiner, exhausted_action, kept, plan_recovery, plan_shrink,
                         recovery_needed)
 from ...roles import JobState, Role
-from ...worker import checkpoint as ckpt
 from .base import Episode, Failure, rounded
 from .restart import FullRestart
 
