@@ -285,7 +285,7 @@ class Agent:
         if controller_alive(paths.status_file(self.job_dir), 4 * paths.STATUS_EVERY_S):
             # only this node lost the controller (a partition): the job is not ours to end; the
             # controller fences and replaces this node as it would a dead one
-            self.logger.warning("controller silent for %ss but its status.json is still written: "
+            self.logger.warning("controller silent for %ss but its status.json is still touched: "
                                 "this node is cut off; ending its workers, not the job",
                                 self.controller_timeout)
             self.kill_workers()
@@ -330,7 +330,7 @@ class Agent:
 
 
 def controller_alive(status: Path, watch_s: float, sleep=time.sleep) -> bool:
-    """Whether the controller still rewrites its status.json (every 0.5 s, through the shared
+    """Whether the controller still touches its status.json (every 0.5 s, through the shared
     filesystem): a change seen within `watch_s` says it is alive. Compares the file with itself,
     never with this node's clock, so clock skew between nodes does not matter."""
     def stamp():

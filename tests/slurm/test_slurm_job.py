@@ -275,7 +275,7 @@ def test_netcut_and_hang_of_active_nodes_are_recovered_without_requeue(submit, m
     minicluster.fail(cut, "netcut")
     job.wait_event("failure_detected", 60, node=cut)
     job.wait_event("recovery_complete", 60)
-    # the cut-off agent sees status.json still rewritten: it ends its own workers, not the job
+    # the cut-off agent sees status.json still touched: it ends its own workers, not the job
     # (its output cannot cross the cut; the note it leaves in the shared job directory can)
     note = jobdir.control_dir(job.dir) / "lost" / "run0" / f"agent-{cut}.fenced"
     end = time.monotonic() + 30

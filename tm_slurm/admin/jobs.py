@@ -84,8 +84,8 @@ def parse_squeue(text: str) -> list[RunningJob]:
 
 
 def job_nodes(job_dir: Path, roles: frozenset[str] = LIVE_ROLES) -> set[str]:
-    """The nodes a tm_slurm job counts as its own, by role (status.json, refreshed every
-    0.25 s). Slurm drops a DOWN node from a --no-kill job at once, so its allocation may not
+    """The nodes a tm_slurm job counts as its own, by role (status.json, rewritten within 0.5 s
+    of a role change). Slurm drops a DOWN node from a --no-kill job at once, so its allocation may not
     show a node the job still has."""
     try:
         st = json.loads(userfiles.read(job_dir, jobdir.status_file(job_dir).name, MAX_STATUS))

@@ -3,10 +3,10 @@
 Every agent and the controller decide alone, from what each can see, and the rule makes them
 agree without talking:
 - an agent that hears nothing from the controller for `controller_timeout_s` looks at
-  status.json (agent.controller_alive): still rewritten, so the controller lives and this node
+  status.json (agent.controller_alive): still touched, so the controller lives and this node
   is the one cut off; it ends its workers (FENCED) and leaves the job alone;
 - the controller that stops hearing from most of its agents at once is the one cut off (its
-  batch host lost the network): it stops rewriting status.json and ends, so the agents see it
+  batch host lost the network): it stops touching status.json and ends, so the agents see it
   gone and run the lost-controller protocol (checkpoint of the last committed step, the lowest
   survivor requeues the job). A minority going silent is a node failure, recovered as usual.
 heartbeat_timeout_s < controller_timeout_s (config.Timeouts) puts the controller's verdict

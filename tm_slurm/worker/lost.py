@@ -26,7 +26,7 @@ def controller_lost(w, pending: int | None, error) -> None:
     """Never returns: the process exits once its part is written."""
     if w.inbox.lost_controller is None:
         # the store failing is the first sign; the agent confirms (heartbeat silence, and a
-        # status.json no longer rewritten: agent.controller_alive) or not
+        # status.json no longer touched: agent.controller_alive) or not
         deadline = time.monotonic() + w.T.controller_timeout_s + 4 * jobdir.STATUS_EVERY_S + 5
         msg = None
         while not isinstance(msg, Checkpoint) and time.monotonic() < deadline:
