@@ -2,7 +2,6 @@
 loops on `tm_slurm.init()`, `job.group(...)`/`job.mesh()`, `job.optimizer(...)` and
 `job.steps(n)`; a drain and then a node kill end bit-identical to the undisturbed run. And each
 porting mistake the README lists fails the job at once with a message that says what to do."""
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -104,15 +103,9 @@ def test_porting_mistakes_fail_the_job_at_once_saying_what_to_do(tmp_path):
     # an FSDP2 model without layout.dp_shard: a recovery would take another rank's shard
     cases.append(("fsdp-unsharded-layout", "sharded over job.group('dp') (FSDP2) but layout.dp_shard "
                   "is 1", EXAMPLES["fsdp"].script, []))
-    def run(case):
-        mistake, _, script, args = case
-        return run_job(tmp_path / mistake, "2+1", 20, layout=LAYOUT, script=script, script_args=args,
-                       timeout=120)
-
-    # three jobs at a time: each spends most of its life starting (its own directory, ports, nodes)
-    with ThreadPoolExecutor(3) as pool:
-        runs = list(pool.map(run, cases))
-    for (mistake, says, _, _), ran in zip(cases, runs):
+    for mistake, says, script, args in cases:
+        ran = run_job(tmp_path / mistake, "2+1", 20, layout=LAYOUT, script=script, script_args=args,
+                      timeout=120)
         assert ran.rc == 1, (mistake, ran.job_dir)
         (end,) = [e for e in ran.kinds("job_state") if e["state"] == "FAILED"]
         assert "the training script is at fault" in end["why"] and says in end["why"], (mistake, end)
