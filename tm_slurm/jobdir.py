@@ -90,7 +90,7 @@ STATUS_EVERY_S = 0.5        # the controller touches status.json this often: the
 def snapshot_every_s(nodes: int) -> float:
     """How often status.json's content is rewritten when nothing was logged (a change is written
     at the next touch): a snapshot costs ~30 us a node (8 workers each), so 1,024 nodes rewritten
-    at every touch would cost 7% of a core; this keeps it near 0.6%, and small jobs as fresh as
+    at every touch would cost 7% of a core; this keeps it under 1%, and small jobs as fresh as
     their touches."""
     return min(5.0, max(STATUS_EVERY_S, nodes / 200))
 
