@@ -14,7 +14,8 @@ from tm_slurm.demo import TINY_MODEL, JobRun
 
 # steps are ~50 ms on this 2-core machine, paced with a short sleep so a standby's warm-up
 # (~5 s here) fits well inside a run
-TINY = [*TINY_MODEL, "--sleep", "0.06"]
+PACING = ["--sleep", "0.06"]
+TINY = [*TINY_MODEL, *PACING]
 # a run with nothing injected into it (a reference, a resumed run) needs no pacing: the sleep
 # changes no number, only how long the run takes
 UNPACED = TINY_MODEL
@@ -79,9 +80,9 @@ def run_job(tmp: Path, local: str, steps: int, actions=(), sets=(), script_args=
             timeout: float = 420, faults: str = "", script: Path | None = None, paced: bool = True) -> Ran:
     """`faults`: TM_SLURM_FAULTS for the job (tm_slurm/faults.py), e.g. "join.ready@node5".
     `script`: another job than the example (with the same pacing, not its model arguments).
-    `paced`: steps slowed down as in TINY (False: only for a run without actions)."""
+    `paced`: steps slowed down by PACING (False: only for a run without actions)."""
     assert paced or not actions, "an unpaced run can end before its actions are injected"
-    pacing = TINY[len(TINY_MODEL):] if paced else []
+    pacing = PACING if paced else []
     r = JobRun(tmp / "job", local, steps, list(actions), extra_args=list(layout),
                script_args=[*(TINY_MODEL if script is None else []), *pacing, *script_args],
                sets=[*ROBUST, *sets], env={"TM_SLURM_FAULTS": faults} if faults else None,
