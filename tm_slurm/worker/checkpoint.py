@@ -13,7 +13,7 @@ whatever state the job's groups are in):
 DCP's own metadata file is a pickle and is never written: the index is the control plane's JSON
 codec, so nothing read back from the job's directory is unpickled. A checkpoint is valid only if
 every shard of the layout it was written in is present and matches its digests, so a partial or
-corrupt one is detected and an older one used.
+corrupt one is detected and an older one used (tm_slurm/checkpoints.py reads and checks them).
 
 Loading merges the indexes of every shard of the rank's pipeline stage into one DCP metadata and
 lets DCP's planner read each sharded tensor's part (a DTensor: FSDP2, HSDP, TP) from whichever
