@@ -801,7 +801,9 @@ def ctl(tmp_path):
         c.nodes.set_ready(n)
     for rank in range(4):
         c.progress.add(rank, [(s, 0.1, 0.05, 1.0, 1000.0 + s, False, 0.05) for s in range(5)])
-    return c
+    yield c
+    c.releases.close(5)
+    c.records.close()
 
 
 def test_controller_drain_during_a_swap_waits_for_it(ctl):
@@ -859,8 +861,16 @@ def test_controller_releases_a_leaver_whose_ranks_moved(ctl):
     swap.to(SS.SWITCHING)
     swap.on_switched(6)
     ctl._agent_gone("n1", "bye")
+    ctl.releases.close(5)                 # Slurm is asked on a thread of its own
     assert ctl.nodes.nodes["n1"].role == Role.RELEASED and ctl.launcher.released == ["n1"]
     assert not ctl.live()[0].done and ctl.nodes.nodes["s0"].role == Role.ACTIVE
+
+
+def test_controller_gives_a_failed_node_back_to_slurm(ctl):
+    ctl.fail("n2", "crash")
+    assert ctl.launcher.killed == ["n2"] and ctl.nodes.nodes["n2"].role == Role.FAILED
+    ctl.releases.close(5)
+    assert ctl.launcher.released == ["n2"]
 
 
 def test_controller_report_events_keep_their_fields(ctl):

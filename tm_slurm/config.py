@@ -131,7 +131,7 @@ class Slurm:
         """The longest wait between two node polls (no backoff when poll_interval_s is longer)."""
         return max(self.poll_interval_s, self.poll_max_interval_s)
     maint_horizon_s: float = 600.0          # act on a MAINT reservation starting within this
-    release_nodes: bool = True              # give evacuated nodes back to Slurm
+    release_nodes: bool = True              # give evacuated and failed nodes back to Slurm
     requeue_on_exit: bool = True            # time limit / batch-host loss: requeue the job
     srun_args: tuple = ()                   # extra arguments for each agent's srun
 

@@ -215,8 +215,8 @@ def describe(e: dict) -> str | None:
         return (f"swap complete{' (measuring cut short)' if e.get('interrupted') else ''}: "
                 f"stall {e['stall_s']}s, state {e['state_bytes'] / 1e6:.1f} MB in "
                 f"{e['phases']['transfer_s']}s, groups rebuilt {e['groups_rebuilt']} / kept {e['groups_kept']}")
-    if k == "node_released":
-        return f"{e['node']} released ({e['why']})"
+    if k == "node_released":           # local "nodes" are nobody's to give back: nothing to say
+        return None if e["result"].startswith("local mode") else f"{e['node']} ({e['why']}): {e['result']}"
     if k == "failure_detected":
         return f"{e['node']} FAILED: {e['how']} (detected {e.get('detect_s')}s after)"
     if k == "recovery_planned":

@@ -15,6 +15,7 @@ import pytest
 
 from tm_slurm import events as evlog
 from tm_slurm import jobdir
+from tm_slurm.slurm import hostlist
 
 from ..jobs import ROBUST, TINY, kill_leftovers, leftovers
 
@@ -190,12 +191,18 @@ def test_node_crash_is_detected_before_slurm_and_recovered(submit, minicluster, 
     (job.dir / "control" / "injected-node4.json").write_text(json.dumps({"t": t}))
     fail = job.wait_event("failure_detected", 60, node="node4")
     detect = fail["ts"] - t
+    # given back to Slurm at once: a job ending now would not be held COMPLETING by the dead node
+    rel = job.wait_event("node_released", 30, node="node4")
+    held = hostlist.expand(minicluster.run(["squeue", "-h", "-j", job.id, "-o", "%N"], capture_output=True,
+                                           text=True).stdout.strip())
     minicluster.wait_state("node4", lambda s: "DOWN" in s, 60)
     down = time.time() - t
     assert detect < down - 5, f"detected after {detect:.1f}s, Slurm DOWN after {down:.1f}s"
+    assert rel["result"].startswith("released") and rel["ts"] - t < down and "node4" not in held, (rel, held)
     rec = job.wait_event("recovery_complete", 60)
     _finished(job, ref_digests)
-    print(f"\n[crash] detect {detect:.2f}s ({fail['how']}), Slurm DOWN after {down:.1f}s, "
+    print(f"\n[crash] detect {detect:.2f}s ({fail['how']}), given back to Slurm {rel['ts'] - t:.2f}s "
+          f"({rel['release_s']}s of scontrol), Slurm DOWN after {down:.1f}s, "
           f"recovered: stall {rec['stall_s']}s, lost {rec['lost_steps']}")
 
 

@@ -44,6 +44,7 @@ from .intake import Decision, Fail, Intake, Migrate, ReleaseStandby, Stop, TakeC
 from .pool import Pool
 from .progress import CommittedMin, Progress, keep_for
 from .records import Records
+from .releases import Releases
 from .reports import ON_REPORT
 from .requests import Inbox as RequestInbox, Request, slurm_user_uid
 
@@ -100,6 +101,7 @@ class Controller:
         allowed = {os.getuid(), 0} | ({u} if (u := slurm_user_uid()) is not None else set())
         self.requests = RequestInbox(self.job_dir, allowed)
         self.records = Records(self)
+        self.releases = Releases(launcher, self.log.emit, cfg.slurm.release_nodes)
         self.time_limit_signal = False
         self.signals: list[int] = []     # received, not yet acted on (a node's SIGTERM too: Signalled)
         self.requeue_wanted = True       # a REQUEUED end runs again, unless a signal said otherwise
@@ -341,13 +343,7 @@ class Controller:
             self.fail(node, "agent_exit", why=why)
 
     def release(self, node: str, why: str) -> None:
-        t0 = time.monotonic()
-        try:
-            result = self.launcher.release(node)
-        except Exception as e:            # SlurmError: the node stays in the job, training goes on
-            result = f"not released: {e}"
-        self.log.emit("node_released", node=node, why=why, result=result,
-                      release_s=round(time.monotonic() - t0, 4))
+        self.releases.submit(node, why)
 
     # ------------------------------------------------------------ decisions
     def _apply(self, decisions: list[Decision]) -> None:
@@ -412,6 +408,7 @@ class Controller:
         self.nodes.set_role(node, Role.FAILED, reason=how, **detail)
         info = {"how": how, "detect_s": round(t_detect - t_fail, 4) if t_fail else None, **detail}
         self.log.emit("failure_detected", node=node, gen=self.gen, **info)
+        self.release(node, f"failed: {how}")
         if self.job.state == JobState.STARTING and involved:
             self.stop(f"{node} failed before training started ({how})", JobState.FAILED, code=Exit.FAILED)
             return
@@ -559,6 +556,7 @@ class Controller:
             ep.tick(now)
         self.pool.check_stragglers(now)
         self.records.poll_checkpoints()
+        self.releases.poll()
         self._drive_intake()
         self.pool.replenish()
         if self.on_tick is not None:
@@ -595,6 +593,7 @@ class Controller:
             self.exit_code = int(Exit.FAILED)
             raise
         finally:
+            self.releases.close(self.T.fence_grace_s)
             self.records.write_status()
             self.records.write_result()
             self.log.emit("job_end", state=self.job.state.value, exit_code=self.exit_code)

@@ -88,9 +88,17 @@ class MiniCluster:
         if len(states) != len(self.nodes):
             self.up(nodes=len(self.nodes), fresh=True)
             return
-        for node, state in states.items():
-            if (self.state_dir / "pids" / f"failed.{node}").exists() or _unreachable(state):
-                self.restore(node, wait=True)
+        failed = [node for node, state in states.items()
+                  if (self.state_dir / "pids" / f"failed.{node}").exists() or _unreachable(state)]
+        if failed and self._jobs():
+            # a job that ended while a failed node was still in it stays COMPLETING until slurmctld
+            # hears from that node; one that comes back before slurmctld has declared it DOWN is
+            # sent the job's terminate again only a minute or more later (73 s seen). DOWN takes the
+            # node out of every job at once (ReturnToService=2 lets it back on registering)
+            for node in failed:
+                self.scontrol("update", f"nodename={node}", "state=down", "reason=tm-slurm minicluster heal")
+        for node in failed:
+            self.restore(node, wait=True)
         self.cancel_jobs(timeout)
         for node, state in self.status().items():
             if "DRAIN" in state or "DOWN" in state:
