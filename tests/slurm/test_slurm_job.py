@@ -69,9 +69,13 @@ class Job:
             time.sleep(0.2)
         raise AssertionError(f"job {self.id} not running with warm standbys after {timeout}s")
 
-    def slurm_state(self) -> str:
+    def fields(self) -> dict[str, str]:
+        """`scontrol show job -o`'s key=value fields (of a value with spaces, its first word)."""
         out = self.mc.scontrol("show", "job", "-o", self.id).stdout
-        return next(f.split("=", 1)[1] for f in out.split() if f.startswith("JobState="))
+        return dict(f.split("=", 1) for f in out.split() if "=" in f)
+
+    def slurm_state(self) -> str:
+        return self.fields().get("JobState", "")
 
     def wait_slurm(self, states: tuple[str, ...], timeout: float) -> str:
         end = time.monotonic() + timeout
@@ -193,8 +197,7 @@ def test_node_crash_is_detected_before_slurm_and_recovered(submit, minicluster, 
     detect = fail["ts"] - t
     # given back to Slurm at once: a job ending now would not be held COMPLETING by the dead node
     rel = job.wait_event("node_released", 30, node="node4")
-    held = hostlist.expand(minicluster.run(["squeue", "-h", "-j", job.id, "-o", "%N"], capture_output=True,
-                                           text=True).stdout.strip())
+    held = hostlist.expand(job.fields()["NodeList"])
     minicluster.wait_state("node4", lambda s: "DOWN" in s, 60)
     down = time.time() - t
     assert detect < down - 5, f"detected after {detect:.1f}s, Slurm DOWN after {down:.1f}s"
@@ -207,13 +210,12 @@ def test_node_crash_is_detected_before_slurm_and_recovered(submit, minicluster, 
 
 
 def _batch_host(job: Job) -> str:
-    out = job.mc.scontrol("show", "job", "-o", job.id).stdout
-    return next(f.split("=", 1)[1] for f in out.split() if f.startswith("BatchHost="))
+    return job.fields()["BatchHost"]
 
 
 def _requeued(job: Job, restarts: int, timeout: float = 90) -> float:
     end = time.monotonic() + timeout
-    while f"Restarts={restarts}" not in job.mc.scontrol("show", "job", "-o", job.id).stdout:
+    while job.fields().get("Restarts") != str(restarts):
         assert time.monotonic() < end, f"job {job.id} was not requeued a {restarts}. time; see {job.dir}"
         time.sleep(0.5)
     return time.time()
@@ -263,10 +265,10 @@ def _released_if_held(job: Job, timeout: float = 60) -> bool:
     do: `scontrol release` it (it then runs on the other nodes). Whether it was held."""
     end, held = time.monotonic() + timeout, False
     while time.monotonic() < end:
-        out = job.mc.scontrol("show", "job", "-o", job.id).stdout
-        if "JobState=PENDING" not in out:
+        f = job.fields()
+        if f.get("JobState") != "PENDING":
             break
-        if "Reason=launch_failed_requeued_held" in out:
+        if f.get("Reason") == "launch_failed_requeued_held":
             job.mc.scontrol("release", job.id)
             held = True
         time.sleep(0.5)
@@ -293,7 +295,7 @@ def test_netcut_and_hang_of_active_nodes_are_recovered_without_requeue(submit, m
     minicluster.fail(hung, "hang")
     job.wait_event("failure_detected", 60, node=hung)
     _finished(job, ref_digests)
-    assert "Restarts=0" in minicluster.scontrol("show", "job", "-o", job.id).stdout
+    assert job.fields()["Restarts"] == "0"
     recs = [i for i in job.result()["interruptions"] if i["kind"] == "unplanned"]
     assert sorted(r["node"] for r in recs) == sorted([cut, hung]) and all(r["fallback"] is None for r in recs)
     assert not job.seen("controller_cut_off")
@@ -307,7 +309,7 @@ def test_usr1_before_time_limit_checkpoints_and_requeues(submit, minicluster, re
     minicluster.run(["scancel", "--batch", "--signal=USR1", job.id])
     job.wait_event("checkpoint_requested", 30)
     end = time.monotonic() + 60
-    while "Restarts=1" not in minicluster.scontrol("show", "job", "-o", job.id).stdout:
+    while job.fields().get("Restarts") != "1":
         assert time.monotonic() < end, "not requeued"
         time.sleep(0.3)
     _finished(job, ref_digests)
