@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from tm_slurm.controller.releases import Releases
+from tm_slurm.slurm.backend import JobInfo, SlurmError
 
 
 class SlowLauncher:
@@ -56,3 +59,35 @@ def test_release_nodes_false_keeps_every_node():
     r.submit("node3", "evacuated")
     r.close(1)
     assert launcher.asked == [] and events[0]["result"] == "kept: slurm.release_nodes is false"
+
+
+class OnceBackend:
+    """Slurm before 24.11 without slurmdbd: a job shrinks once, every later update is refused."""
+
+    def __init__(self):
+        self.nodes, self.updates = ["node1", "node2", "node3", "node4"], 0
+
+    def job(self, job_id):
+        return JobInfo(job_id=job_id, state="RUNNING", nodes=tuple(self.nodes), user="u", workdir="/w",
+                       batch_host="node1", time_limit_s=None, restarts=0, reason="")
+
+    def release_nodes(self, job_id, keep):
+        self.updates += 1
+        if self.updates > 1:
+            raise SlurmError(f"`scontrol update JobId={job_id} NodeList=...` failed with exit code 1: slurm_update "
+                             "error: Job update not available right now, the DB index is being set, try again in a bit")
+        self.nodes = list(keep)
+
+
+def test_a_slurm_that_shrinks_a_job_once_is_asked_once(tmp_path):
+    from tm_slurm.config import Config
+    from tm_slurm.slurm.launcher import SlurmLauncher
+    be = OnceBackend()
+    launcher = SlurmLauncher(tmp_path, Config(), "7", b"k" * 32, backend=be)
+    launcher.batch_host = "node1"
+    assert launcher.release("node3") == "released: job now on 3 nodes"
+    with pytest.raises(SlurmError, match="DB index"):
+        launcher.release("node4")                   # slurmctld held a thread 5 s for this one
+    assert launcher.release("node2").startswith("not released: Slurm will not shrink job 7 again")
+    assert launcher.release("node1").startswith("kept: the batch host")
+    assert be.updates == 2

@@ -18,6 +18,10 @@ from ..control import auth
 from ..control import mpi as mpictl
 from ..launch.local import agent_argv
 from . import backend_for, hostlist
+from .backend import SlurmError
+
+# the text of ESLURM_JOB_SETTING_DB_INX, what a resized job's every later update gets (22.05-24.05)
+DB_INDEX_HOLD = "the DB index is being set"
 
 
 class SlurmLauncher:
@@ -31,6 +35,7 @@ class SlurmLauncher:
         self.steps: dict[str, str] = {}
         self.ended: set[str] = set()
         self.released: set[str] = set()
+        self.shrink_refused = ""                     # why Slurm will not shrink the job again
         self.batch_host: str | None = None
         self.companions: list[str] = []              # companion standby jobs submitted
         self.companion_nodes: dict[str, str] = {}   # node -> its companion job
@@ -92,15 +97,27 @@ class SlurmLauncher:
         self.companions.append(p.stdout.strip().split(";")[0])
 
     def release(self, node: str) -> str:
-        """Give an evacuated node back to Slurm, so the admin's drain completes (DRAINED)."""
+        """Give an evacuated or failed node back to Slurm: a drain completes (DRAINED), a job's
+        end does not wait for a dead node (controller/releases.py)."""
         if node in self.companion_nodes:
             subprocess.run(["scancel", self.companion_nodes[node]], capture_output=True, timeout=30)
             return f"released: companion job {self.companion_nodes[node]} cancelled"
         if node == self.batch_host:
             return "kept: the batch host (the controller runs there) cannot leave the job"
+        if self.shrink_refused:
+            return f"not released: {self.shrink_refused}"
         info = self.backend.job(self.job_id)
         keep = [n for n in (info.nodes if info else ()) if n != node and n not in self.released]
-        self.backend.release_nodes(self.job_id, keep)
+        try:
+            self.backend.release_nodes(self.job_id, keep)
+        except SlurmError as e:
+            if DB_INDEX_HOLD in str(e):
+                # Slurm before 24.11 without slurmdbd never gives a resized job its new database
+                # index: each later update holds a slurmctld thread 5 s and fails. Ask once only
+                self.shrink_refused = (f"Slurm will not shrink job {self.job_id} again (\"{DB_INDEX_HOLD}\": "
+                                       "before 24.11, without slurmdbd, a job is resized once); the node "
+                                       "stays in the job until Slurm declares it DOWN or the job ends")
+            raise
         self.released.add(node)
         return f"released: job now on {len(keep)} nodes"
 
