@@ -15,11 +15,13 @@ import time
 
 import pytest
 
+from tm_slurm.config import Config
 from tm_slurm.slurm import hostlist
 from tm_slurm.slurm.backend import SlurmError
 from tm_slurm.slurm.choose import backend_for, slurm_version
 from tm_slurm.slurm.classify import EventDebouncer, classify
 from tm_slurm.slurm.cli_backend import CliBackend
+from tm_slurm.slurm.launcher import DB_INDEX_HOLD, SlurmLauncher
 
 pytestmark = pytest.mark.slurm
 
@@ -244,8 +246,19 @@ def test_release_nodes_shrinks_running_job(slurm_env, be, jobs, tmp_path):
         assert step_nodes == ["node3", "node4"], steps
         assert not (tmp_path / "rc.node3").exists() and not (tmp_path / "rc.node4").exists()
         be.release_nodes(job, ["node4", "node3"])                 # already that: no-op
+        # 22.05 without slurmdbd shrinks a job once: the next update is refused after 5 s in
+        # slurmctld, and the launcher does not ask again
+        launcher = SlurmLauncher(tmp_path, Config(), job, b"k" * 32, backend=be)
+        launcher.batch_host = "node3"
+        t1 = time.monotonic()
+        with pytest.raises(SlurmError, match=DB_INDEX_HOLD):
+            launcher.release("node4")
+        refused_after = time.monotonic() - t1
+        t1 = time.monotonic()
+        assert launcher.release("node4").startswith(f"not released: Slurm will not shrink job {job} again")
+        assert time.monotonic() - t1 < 1 and be.job(job).nodes == ("node3", "node4")
         print(f"\nrelease_nodes took {took * 1000:.0f} ms; node5 drained after {drained_after:.2f} s; "
-              f"its srun exited {rc5}")
+              f"its srun exited {rc5}; a second shrink refused after {refused_after:.1f} s")
     finally:
         resume_if_drained(be, ["node5"])
 
