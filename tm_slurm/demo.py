@@ -18,7 +18,7 @@ from pathlib import Path
 from . import events as evlog
 from . import jobdir
 from .controller.requests import submit
-from .launch.local import fail, nodes_file
+from .launch.local import NOTHING_TO_GIVE_BACK, fail, nodes_file
 from .roles import JOB_TRANSITIONS, JobState
 
 SBATCH = Path(__file__).resolve().parent.parent / "sbatch"
@@ -216,7 +216,7 @@ def describe(e: dict) -> str | None:
                 f"stall {e['stall_s']}s, state {e['state_bytes'] / 1e6:.1f} MB in "
                 f"{e['phases']['transfer_s']}s, groups rebuilt {e['groups_rebuilt']} / kept {e['groups_kept']}")
     if k == "node_released":           # local "nodes" are nobody's to give back: nothing to say
-        return None if e["result"].startswith("local mode") else f"{e['node']} ({e['why']}): {e['result']}"
+        return None if e["result"] == NOTHING_TO_GIVE_BACK else f"{e['node']} ({e['why']}): {e['result']}"
     if k == "failure_detected":
         return f"{e['node']} FAILED: {e['how']} (detected {e.get('detect_s')}s after)"
     if k == "recovery_planned":

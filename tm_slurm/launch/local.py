@@ -27,6 +27,9 @@ def nodes_file(job_dir: Path) -> Path:
     return jobdir.control_dir(job_dir) / "local-nodes.json"
 
 
+NOTHING_TO_GIVE_BACK = "local mode: nothing to give back"   # release()'s answer: no allocation here
+
+
 class LocalLauncher:
     """Hydra runs each agent in a session of its own, and the agent's workers inherit its process
     group: that group is the node (what a power loss kills), mpiexec and its proxy are the
@@ -71,7 +74,7 @@ class LocalLauncher:
                     pass
 
     def release(self, node: str) -> str:
-        return "local mode: nothing to give back"
+        return NOTHING_TO_GIVE_BACK
 
     def replenish(self, ctl) -> str:
         """One more local "node" for the standby pool: the next free name."""
