@@ -98,7 +98,21 @@ def run_job(tmp: Path, local: str, steps: int, actions=(), sets=(), script_args=
         raise AssertionError(f"the job ended before {r.actions[len(r.done):]} were injected "
                              f"(injected: {r.done}); {r.job_dir}")
     res = json.loads(jobdir.result_file(r.job_dir).read_text()) if jobdir.result_file(r.job_dir).exists() else {}
-    return Ran(r.job_dir, rc, res, list(evlog.read(jobdir.events_file(r.job_dir))), r.done)
+    ran = Ran(r.job_dir, rc, res, list(evlog.read(jobdir.events_file(r.job_dir))), r.done)
+    print(story(ran))               # pytest shows it when the test fails (CI keeps no job directory)
+    return ran
+
+
+ROUTINE = {"checkpoint_saved", "checkpoint_complete", "agent_admitted", "worker_exit"}
+
+
+def story(ran: Ran, last: int = 60) -> str:
+    """The job's exit and its last events, routine ones left out, one short line each."""
+    lines = [f"{ran.job_dir}: exit {ran.rc}, injected {ran.injected}"]
+    for e in [e for e in ran.events if e["kind"] not in ROUTINE][-last:]:
+        rest = {k: v for k, v in e.items() if k not in ("ts", "kind", "job") and v not in (None, "", [], {})}
+        lines.append(f"  {e['kind']} " + " ".join(f"{k}={v}" for k, v in rest.items())[:300])
+    return "\n".join(lines)
 
 
 NUL = bytes(1)

@@ -423,6 +423,22 @@ def test_cli_action_error_hints():
         be.resume(["node1"])
 
 
+def test_resizes_once_from_the_config():
+    """21.08-24.05 without slurmdbd refuse a resized job's every later update (backend.resizes_once)."""
+    conf = cb.parse_scontrol_config(golden("scontrol_config.txt"))
+    assert (conf["SLURM_VERSION"], conf["AccountingStorageType"]) == ("22.05.8", "accounting_storage/none")
+    assert conf["MessageTimeout"] == "5 sec"
+    run = FakeRun({("scontrol", "show", "config"): (0, golden("scontrol_config.txt"), "")})
+    assert cb.CliBackend(run=run).resizes_once() and run.calls[0][0] == ["scontrol", "show", "config"]
+    for version, storage, once in [("21.08.8", "accounting_storage/none", True),
+                                   ("24.05.8", "accounting_storage/none", True),
+                                   ("24.11.0", "accounting_storage/none", False),   # 98c2add5bc
+                                   ("20.11.9", "accounting_storage/none", False),
+                                   ("22.05.8", "accounting_storage/slurmdbd", False),
+                                   ("", "accounting_storage/none", False)]:
+        assert backend.resizes_once(version, storage) is once, (version, storage)
+
+
 def test_cli_backend_satisfies_protocol():
     assert isinstance(cb.CliBackend(run=FakeRun()), backend.SlurmBackend)
     assert isinstance(pb.PyslurmBackend(module=object()), backend.SlurmBackend)

@@ -159,6 +159,10 @@ class SlurmBackend(Protocol):
     def release_nodes(self, job_id: str, keep: Sequence[str]) -> None:
         """Shrink a running job's allocation to `keep` so the other nodes go back to Slurm."""
 
+    def resizes_once(self) -> bool:
+        """Whether this Slurm refuses every update of a job once it has been resized
+        (`resizes_once` below)."""
+
     def notify(self, job_id: str, message: str) -> None:
         """`scontrol notify`: a message to the job's srun/salloc (stderr)."""
 
@@ -202,6 +206,25 @@ def check_release(job_id: str, info: JobInfo | None, keep: Sequence[str]) -> lis
     return keep
 
 
+def resizes_once(version: str, accounting_storage: str) -> bool:
+    """Slurm 21.08 to 24.05 without slurmdbd resizes a job once. `job_post_resize_acctg` sets the
+    job's db_index to NO_VAL64 for the database to fill in, which accounting_storage/none never
+    does; every later update of the job then holds a slurmctld thread 5 s and fails with "the DB
+    index is being set" (or, where MessageTimeout <= 5 s, times out in the client first).
+    Read in SchedMD/slurm at slurm-21-08-8-1 .. slurm-24-05-8-1; commit 98c2add5bc (24.11)
+    removed the hold. `version` is SLURM_VERSION ("22.05.8"), `accounting_storage`
+    AccountingStorageType, both as `scontrol show config` prints them."""
+    v = parse_version(version)
+    return v is not None and (21, 8) <= v <= (24, 5) and \
+        accounting_storage.strip().lower() == "accounting_storage/none"
+
+
+def parse_version(text: str) -> tuple[int, int] | None:
+    """`slurm-wlm 22.05.8` / `slurm 24.05.1` / `24.5.1` (pyslurm) -> (22, 5) / (24, 5)."""
+    m = re.search(r"(\d+)\.(\d+)", text or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
 def split_state(text: str) -> tuple[str, frozenset[str]]:
     """`MIXED+DRAIN+REBOOT_REQUESTED` -> ("MIXED", {"DRAIN", "REBOOT_REQUESTED"}).
 
@@ -227,4 +250,4 @@ def split_state(text: str) -> tuple[str, frozenset[str]]:
 
 
 __all__ = ["NodeState", "Reservation", "JobInfo", "SlurmBackend", "SlurmError",
-           "check_release", "split_state", "BASE_STATES"]
+           "check_release", "parse_version", "resizes_once", "split_state", "BASE_STATES"]

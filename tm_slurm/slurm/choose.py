@@ -4,18 +4,11 @@ depend on the implementations that import them.
 """
 from __future__ import annotations
 
-import re
 import subprocess
 
-from .backend import SlurmBackend, SlurmError
+from .backend import SlurmBackend, SlurmError, parse_version
 from .cli_backend import CliBackend
 from .pyslurm_backend import PyslurmBackend
-
-
-def parse_version(text: str) -> tuple[int, int] | None:
-    """`slurm-wlm 22.05.8` / `slurm 24.05.1` / `24.5.1` (pyslurm) -> (22, 5) / (24, 5)."""
-    m = re.search(r"(\d+)\.(\d+)", text or "")
-    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def slurm_version(env: dict | None = None, timeout: float = 10.0) -> tuple[int, int] | None:

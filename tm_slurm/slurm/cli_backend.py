@@ -33,7 +33,8 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 from . import hostlist
-from .backend import JobInfo, NodeState, Reservation, SlurmError, check_release, split_state
+from .backend import (JobInfo, NodeState, Reservation, SlurmError, check_release, resizes_once,
+                      split_state)
 
 Runner = Callable[..., Any]
 
@@ -210,6 +211,17 @@ def parse_scontrol_reservations(text: str) -> list[Reservation]:
             if ln.startswith("ReservationName=")]
 
 
+def parse_scontrol_config(text: str) -> dict[str, str]:
+    """`scontrol show config`: `Name<padding> = value` lines (the first of a name wins; the
+    plugin sections after the main one repeat no name tm_slurm reads)."""
+    conf: dict[str, str] = {}
+    for line in _lines(text):
+        name, sep, value = line.partition(" = ")
+        if sep:
+            conf.setdefault(name.strip(), value.strip())
+    return conf
+
+
 def _user(text: str) -> str:
     """`root(0)` -> "root"."""
     s = (text or "").strip()
@@ -349,6 +361,10 @@ class CliBackend:
             return
         self._call(["scontrol", "update", f"JobId={job_id}",
                     f"NodeList={hostlist.compress(keep, sort=True)}"])
+
+    def resizes_once(self) -> bool:
+        conf = parse_scontrol_config(self._call(["scontrol", "show", "config"]).stdout)
+        return resizes_once(conf.get("SLURM_VERSION", ""), conf.get("AccountingStorageType", ""))
 
     def notify(self, job_id: str, message: str) -> None:
         self._call(["scontrol", "notify", str(job_id), message])

@@ -20,7 +20,7 @@ from ..launch.local import agent_argv
 from . import backend_for, hostlist
 from .backend import SlurmError
 
-# the text of ESLURM_JOB_SETTING_DB_INX, what a resized job's every later update gets (22.05-24.05)
+# the text of ESLURM_JOB_SETTING_DB_INX, what a resized job's every later update gets (21.08-24.05)
 DB_INDEX_HOLD = "the DB index is being set"
 
 
@@ -112,14 +112,25 @@ class SlurmLauncher:
             self.backend.release_nodes(self.job_id, keep)
         except SlurmError as e:
             if DB_INDEX_HOLD in str(e):
-                # Slurm before 24.11 without slurmdbd never gives a resized job its new database
-                # index: each later update holds a slurmctld thread 5 s and fails. Ask once only
-                self.shrink_refused = (f"Slurm will not shrink job {self.job_id} again (\"{DB_INDEX_HOLD}\": "
-                                       "before 24.11, without slurmdbd, a job is resized once); the node "
-                                       "stays in the job until Slurm declares it DOWN or the job ends")
+                self._refuse_shrinks()
             raise
         self.released.add(node)
+        if self._resizes_once():
+            self._refuse_shrinks()
         return f"released: job now on {len(keep)} nodes"
+
+    def _resizes_once(self) -> bool:
+        """Slurm 21.08-24.05 without slurmdbd (backend.resizes_once): every later update of a
+        resized job holds a slurmctld thread 5 s and fails, so it is not asked at all."""
+        try:
+            return self.backend.resizes_once()
+        except SlurmError:
+            return False                # then the first refusal tells (DB_INDEX_HOLD)
+
+    def _refuse_shrinks(self) -> None:
+        self.shrink_refused = (f"Slurm will not shrink job {self.job_id} again (\"{DB_INDEX_HOLD}\": "
+                               "Slurm 21.08-24.05 without slurmdbd resizes a job once); the node stays "
+                               "in the job until Slurm declares it DOWN or the job ends")
 
     def requeue(self) -> None:
         self.backend.requeue(self.job_id)

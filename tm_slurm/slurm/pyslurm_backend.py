@@ -211,6 +211,11 @@ class PyslurmBackend:
         desc = self.ps.JobSubmitDescription(required_nodes=hostlist.compress(keep, sort=True))
         self._guard(f"Job({job_id}).modify(required_nodes=...)", self.ps.Job(_jid(job_id)).modify, desc)
 
+    def resizes_once(self) -> bool:
+        # pyslurm X.Y talks to Slurm X.Y only, and the pyslurm on PyPI is 25.11, which has no such
+        # hold; with an older one the launcher learns it from the first refusal
+        return False
+
     def notify(self, job_id: str, message: str) -> None:
         self._guard(f"Job({job_id}).notify()", self.ps.Job(_jid(job_id)).notify, message)
 

@@ -18,6 +18,7 @@ trap cleanup EXIT
 wait_running() { for _ in $(seq 1 40); do [ "$(squeue -h -j $1 -o %T)" = RUNNING ] && return 0; sleep 0.25; done; return 1; }
 
 sinfo --version > sinfo_version.txt
+scontrol show config > scontrol_config.txt
 # the allocation environment of an salloc command and of an sbatch batch step (SLURM_* only)
 salloc -Q -N2 -w node[1-2] -t 1 env 2>/dev/null | grep '^SLURM' | sort > env_salloc.txt
 sbatch --wait -Q -N2 -w node[1-2] -t 1 -D /tmp -o "$PWD/env_sbatch.txt" --wrap 'env | grep ^SLURM | sort' >/dev/null
