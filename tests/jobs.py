@@ -103,7 +103,7 @@ def run_job(tmp: Path, local: str, steps: int, actions=(), sets=(), script_args=
     return ran
 
 
-ROUTINE = {"checkpoint_saved", "checkpoint_complete", "agent_admitted", "worker_exit"}
+ROUTINE = {"checkpoint_saved", "checkpoint_complete", "checkpoint_pruned", "agent_admitted", "worker_exit"}
 
 
 def story(ran: Ran, last: int = 60) -> str:
