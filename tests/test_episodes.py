@@ -605,7 +605,7 @@ def test_shrink_policy_hands_over_to_a_shrinking_restart():
     assert port.broadcasts(WriteCheckpoint)[0].reason.startswith("shrink:")
     # a failure during the shrink ends the job, requeueable
     assert restart.on_node_failed(port.down("n0"))
-    assert port.stopped[-1][1:3] == (JobState.REQUEUED, 75)
+    assert port.stopped[-1][1:3] == (JobState.REQUEUED, 75) and restart.state == XS.FAILED and restart.done
 
 
 def test_unrecoverable_plan_stops_the_job():
@@ -642,6 +642,18 @@ def test_planned_restart_checkpoints_then_relaunches_everyone():
     ep.tick(port.now())
     assert ep.done and port.interruptions[0]["resume_step"] == 9
     assert port.interruptions[0]["phases"]["start_s"] == 2.0
+
+
+def test_a_restart_whose_checkpoint_never_completes_ends_the_job_once():
+    port = FakePort(restart_cfg())
+    ep = FullRestart.planned(port, Move(1, "n1", "s0"), "maintenance")
+    port.start(ep)
+    ep.on_report("n0", r(Exiting, 0, 9, reason="restart"))
+    port.exited |= {(n, 0) for n in ACTIVE + ["s0"]}
+    port.clock += port.T.shutdown_s + 1
+    ep.tick(port.now())
+    assert ep.state == XS.FAILED and ep.done and port.stopped[-1][1:3] == (JobState.REQUEUED, 75)
+    assert len(port.log.kinds("restart_failed")) == 1
 
 
 def test_planned_restart_leaver_failing_is_not_replaced_twice():
@@ -898,3 +910,33 @@ def test_every_report_kind_builds_by_name_and_keeps_gen_rank_step():
     assert rep.data() == {"broken": ["dp/pp0.tp0"], "why": "x", "t": 2.0}
     with pytest.raises(TypeError):
         report("ready", 0, 0, None, plan=1)         # a kind's fields are checked when built
+
+
+def test_a_shard_written_again_while_it_is_verified_is_verified_again(ctl, monkeypatch, tmp_path):
+    """A shrink at a periodic checkpoint's step: the last shard's report starts the verification,
+    then a shard is reported again (rewritten). A verification that saw it half-written runs
+    again instead of declaring the checkpoint invalid, whose remaining reports would never come."""
+    import threading
+    from tm_slurm import events as evlog, jobdir
+    from tm_slurm.controller import records
+    seen, go = [], threading.Event()
+
+    def bad_shards(d, topo):
+        seen.append(d)
+        if len(seen) == 1:
+            go.wait(5)
+            return ["pp1.tp0"]                  # read while the shard was being rewritten
+        return []
+    monkeypatch.setattr(records.ckpt, "bad_shards", bad_shards)
+    for rank in (0, 2):                         # one rank of each shard (pp0, pp1)
+        ctl.records.checkpoint_written(40, rank)
+    ctl.records.checkpoint_written(40, 2)       # pp1's shard again, while the first read runs
+    go.set()
+    for _ in range(500):
+        ctl.records.poll_checkpoints()
+        if ctl.checkpoint_done(40):
+            break
+        threading.Event().wait(0.01)
+    assert ctl.checkpoint_done(40) and len(seen) == 2
+    kinds = [e["kind"] for e in evlog.read(jobdir.events_file(tmp_path))]
+    assert "checkpoint_complete" in kinds and "checkpoint_invalid" not in kinds

@@ -24,6 +24,7 @@ POINTS = {
     "join.joined": "a joiner that has switched in and holds its state, before its first step",
     "recover.build": "a stayer that has built its part of a recovery plan, before it reports it",
     "standby.warm": "a standby that has warmed up, before it reports ready",
+    "checkpoint.periodic": "a rank of replica 0 at a periodic checkpoint, before its shard is written",
 }
 
 

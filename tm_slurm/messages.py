@@ -148,10 +148,13 @@ class WorkerInfo:
 
 @dataclass(frozen=True)
 class Heartbeat:
+    """`full`: `workers` is every worker of the node; else only those whose state changed or
+    that committed steps since the previous beat (agent.heartbeat)."""
     node: str
     seq: int
     t: float
     workers: tuple[WorkerInfo, ...]
+    full: bool = True
 
 
 @dataclass(frozen=True)

@@ -194,6 +194,7 @@ class Agents:
         self.seq = 0
         self.step = -1
         self.cpu = 0.0
+        self.rounds = {"news": 0, "quiet": 0}    # beat rounds with new step records, and without
         self.beating = False     # a garbage collection now is the emulated agents', not the controller's
 
     def beat(self, step: int) -> None:
@@ -203,11 +204,14 @@ class Agents:
         now = time.time()
         new = range(self.step + 1, step + 1)
         self.step = max(self.step, step)
+        full = self.seq == 1
+        self.rounds["news" if new or full else "quiet"] += 1
         for name, ch, ranks in self.ends:
+            # as agent.heartbeat: a beat with no new step names no worker (nothing changed)
             infos = tuple(WorkerInfo(i, 1000 + i, r, step + 1, step, True, 0.01,
                                      tuple((s, 0.2, 0.2, 1.0, now, s == 0, 0.15) for s in new))
-                          for i, r in enumerate(ranks or [None] * self.rpn))
-            ch.send(Heartbeat(name, self.seq, now, infos))
+                          for i, r in enumerate(ranks or [None] * self.rpn)) if new or full else ()
+            ch.send(Heartbeat(name, self.seq, now, infos, full))
             ch.poll(limit=1 << 20)
         self.beating = False
         self.cpu += time.thread_time() - t
@@ -318,13 +322,20 @@ def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float 
         if any(k.returncode for k in kids):
             raise RuntimeError(f"a voter process failed: {[k.returncode for k in kids]}")
         failed = [n for n, x in ctl.nodes.nodes.items() if x.role == Role.FAILED]
-        # one heartbeat round, opened and dispatched on its own: the cost per agent
-        agents.beat(agents.step)
-        t = time.thread_time()
-        for node, ch in ctl.channels.items():
-            for m in ch.poll():
-                ctl._dispatch(node, m)
-        hb_s = (time.thread_time() - t) / nodes
+        # one heartbeat round, opened and dispatched on its own: the cost per agent of a beat
+        # with a step's records, and of one that has nothing new (agent.heartbeat names no worker)
+        rounds = dict(agents.rounds)
+
+        def beat_round(step: int) -> float:
+            agents.beat(step)
+            t = time.thread_time()
+            for node, ch in ctl.channels.items():
+                for m in ch.poll():
+                    ctl._dispatch(node, m)
+            return (time.thread_time() - t) / nodes
+        hb_s, hb_quiet_s = beat_round(agents.step + 1), beat_round(agents.step)
+        # per beat, as the run's rounds mixed them
+        hb_mean_s = (hb_s * rounds["news"] + hb_quiet_s * rounds["quiet"]) / max(1, sum(rounds.values()))
         # what the rest of the loop's periodic work costs once (the least of three: a garbage
         # collection that lands in one is counted apart): a ping to every link, status.json
         # rewritten and touched
@@ -371,12 +382,13 @@ def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float 
         "controller_cpu_per_step_s": round(cpu / steps, 5),
         "controller_loop_cpu_per_step_s": round(main / steps, 5),
         "store_server_cpu_per_step_s": round((cpu - main) / steps, 5),
-        "heartbeat_s": round(hb_s, 7),
-        "heartbeat_cpu_per_agent_s_per_s": round(hb_s / cfg.timeouts.heartbeat_interval_s, 6),
+        "heartbeat_s": round(hb_s, 7), "heartbeat_quiet_s": round(hb_quiet_s, 7),
+        "heartbeat_rounds": rounds,
+        "heartbeat_cpu_per_agent_s_per_s": round(hb_mean_s / cfg.timeouts.heartbeat_interval_s, 6),
         # the controller's CPU a second by what it does: every agent's heartbeats opened and
         # dispatched, the pings, status.json; the rest is the loop's own passes
         "controller_cpu_per_s_by_part": {
-            "heartbeats": round(hb_s * nodes / cfg.timeouts.heartbeat_interval_s, 5),
+            "heartbeats": round(hb_mean_s * nodes / cfg.timeouts.heartbeat_interval_s, 5),
             "pings": round(ping_s / cfg.timeouts.ping_interval_s, 5),
             "status_json": round(status_s / jobdir.snapshot_every_s(nodes) + touch_s / jobdir.STATUS_EVERY_S, 5),
             # Python's collector, in the controller's own work (the agents' beats left out)

@@ -283,7 +283,10 @@ class Controller:
     def _dispatch(self, node: str, m) -> None:
         if isinstance(m, Heartbeat):
             self.last_hb[node] = time.monotonic()
-            self.workers[node] = {w.local: w for w in m.workers}
+            if m.full:
+                self.workers[node] = {w.local: w for w in m.workers}
+            else:
+                self.workers.setdefault(node, {}).update((w.local, w) for w in m.workers)
             for w in m.workers:
                 if w.rank is not None and w.progress:
                     self.progress.add(w.rank, w.progress)

@@ -25,6 +25,7 @@ class Records:
         self._steps_f = Lines(jobdir.steps_file(ctl.job_dir))     # a full disk drops lines, never raises
         self._shards_in: dict[int, set[str]] = {}
         self._verifying: dict[int, Future] = {}
+        self._rewritten: set[int] = set()
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix="tm-ckpt-verify")
         self.status_frozen = False      # a cut-off controller (liveness.py) stops its heartbeat file
         self._snapshot_due, self._snapshot_events = 0.0, -1
@@ -121,6 +122,8 @@ class Records:
         ctl = self.ctl
         got = self._shards_in.setdefault(step, set())
         got.add(ckpt.shard_name(ctl.topo, rank))
+        if step in self._verifying:
+            self._rewritten.add(step)      # a shard written again while being read: read it again
         if (len(got) == len(ckpt.shards(ctl.topo)) and step not in ctl.checkpoints_done
                 and step not in self._verifying):
             self._verifying[step] = self._verifier.submit(ckpt.bad_shards, Path(ctl.checkpoint_path(step)), ctl.topo)
@@ -132,11 +135,16 @@ class Records:
             if not fut.done():
                 continue
             del self._verifying[step]
-            self._shards_in.pop(step, None)
             try:
                 bad = fut.result()
             except Exception as e:             # an unreadable directory: not a checkpoint
                 bad = [f"{type(e).__name__}: {e}"]
+            if bad and step in self._rewritten:
+                self._rewritten.discard(step)
+                self._verifying[step] = self._verifier.submit(ckpt.bad_shards, Path(ctl.checkpoint_path(step)), ctl.topo)
+                continue
+            self._rewritten.discard(step)
+            self._shards_in.pop(step, None)
             if bad:
                 ctl.log.emit("checkpoint_invalid", step=step, bad=bad[:8])
                 continue

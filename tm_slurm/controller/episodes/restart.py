@@ -32,20 +32,22 @@ class State(str, enum.Enum):
     STOPPING = "stopping"
     STARTING = "starting"
     DONE = "done"
+    FAILED = "failed"              # the job ends instead (requeued)
 
 
 S = State
 TRANSITIONS = {
-    S.NEW: frozenset({S.CHECKPOINTING, S.STOPPING}),
-    S.CHECKPOINTING: frozenset({S.STARTING}),
-    S.STOPPING: frozenset({S.STARTING}),
-    S.STARTING: frozenset({S.DONE}),
+    S.NEW: frozenset({S.CHECKPOINTING, S.STOPPING, S.FAILED}),
+    S.CHECKPOINTING: frozenset({S.STARTING, S.FAILED}),
+    S.STOPPING: frozenset({S.STARTING, S.FAILED}),
+    S.STARTING: frozenset({S.DONE, S.FAILED}),
     S.DONE: frozenset(),
+    S.FAILED: frozenset(),
 }
 
 
 class FullRestart(Episode):
-    State, TRANSITIONS, FINAL = State, TRANSITIONS, frozenset({S.DONE})
+    State, TRANSITIONS, FINAL = State, TRANSITIONS, frozenset({S.DONE, S.FAILED})
 
     def __init__(self, port, kind: str, moves: list[Move], reason: str):
         super().__init__(port, S.NEW)
@@ -134,6 +136,7 @@ class FullRestart(Episode):
         if self.shrink is not None:
             p.log.emit("shrink_failed", node=f.node, step=f.aborted[1],
                        why=f"{f.node} failed during the shrink")
+            self.to(S.FAILED)
             p.stop(f"{f.node} failed during a shrink ({f.how})", JobState.REQUEUED, code=p.requeue_code)
             return True
         if any(m.leaver == f.node for m in self.moves):
@@ -183,6 +186,7 @@ class FullRestart(Episode):
                 # every worker is gone, its shard never came (a writer died writing it)
                 p.log.emit("restart_failed", step=self.exit_step,
                            why="the checkpoint to restart from is incomplete")
+                self.to(S.FAILED)
                 p.stop("restart checkpoint incomplete", JobState.REQUEUED, code=p.requeue_code)
         elif self.state == S.STOPPING and (self._all_exited() or now - self.t0 > p.T.shutdown_s):
             found = p.latest_checkpoint()
