@@ -10,7 +10,7 @@ import time
 from types import SimpleNamespace
 
 from tm_slurm import jobdir
-from tm_slurm.agent import controller_alive
+from tm_slurm.agent import controller_alive, requeued_anyway
 from tm_slurm.controller.liveness import controller_cut_off
 from tm_slurm.controller.records import Records
 from tm_slurm.events import EventLog
@@ -111,3 +111,23 @@ def test_the_controller_is_cut_off_only_when_most_of_its_agents_go_silent_togeth
     # nothing past the timeout yet: no verdict, however many are slow
     assert controller_cut_off({n: 3.9 for n in quiet}, T) == []
     assert controller_cut_off({}, T) == []
+
+
+def test_a_requeue_that_said_it_failed_but_happened_is_not_cancelled(monkeypatch):
+    """`scontrol requeue` can fail on the client (an answer lost or late) after slurmctld requeued
+    the job; cancelling it then would end the requeued run. Slurm's restart count says which."""
+    from tm_slurm.slurm.backend import SlurmError
+
+    class Be:
+        def __init__(self, answer):
+            self.answer = answer
+
+        def job(self, job_id):
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return None if self.answer is None else SimpleNamespace(restarts=self.answer)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    assert requeued_anyway("7", Be(1)) and not requeued_anyway("7", Be(0))
+    assert not requeued_anyway("7", Be(None)) and not requeued_anyway("7", Be(SlurmError("slurmctld down")))
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")      # the second run: one restart was before it
+    assert not requeued_anyway("7", Be(1)) and requeued_anyway("7", Be(2))

@@ -324,20 +324,42 @@ class Agent:
         return Exit.REQUEUE
 
     def _end_job(self) -> None:
+        """Requeue the job (or cancel it). A requeue that reports failure may have happened all
+        the same (its answer lost or late), and a cancel would then end the requeued run: the job
+        is looked at first. What was done goes to the lost directory too, as the sruns that
+        carried this agent's log died with the batch host."""
         job = os.environ.get("SLURM_JOB_ID")
         if not job:
             return                      # local mode: nothing holds an allocation
         requeue = self.launch is None or self.launch.config["slurm"]["requeue_on_exit"]
         cmd = ["scontrol", "requeue", job] if requeue else ["scancel", job]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        done = [f"{' '.join(cmd)} -> {r.returncode} {r.stderr.strip()}"]
         if r.returncode != 0 and requeue:
-            subprocess.run(["scancel", job], capture_output=True, timeout=30)
-        self.logger.warning("%s -> %s %s", " ".join(cmd), r.returncode, r.stderr.strip())
+            if requeued_anyway(job):
+                done.append(f"job {job} was requeued all the same: not cancelled")
+            else:
+                c = subprocess.run(["scancel", job], capture_output=True, text=True, timeout=30)
+                done.append(f"scancel {job} -> {c.returncode} {c.stderr.strip()}")
+        self.logger.warning("; ".join(done))
+        fsync_write(paths.lost_dir(self.job_dir) / f"end-{self.node}.txt", ("\n".join(done) + "\n").encode())
 
     def _flush(self, ch, timeout: float = 2.0) -> None:
         end = time.monotonic() + timeout
         while ch.pending_sends() and time.monotonic() < end:
             time.sleep(0.001)
+
+
+def requeued_anyway(job: str, backend=None) -> bool:
+    """Whether Slurm counts a restart beyond this run's (SLURM_RESTART_COUNT): the job was
+    requeued, whatever the requeue command said."""
+    from .slurm.backend import SlurmError
+    from .slurm.cli_backend import CliBackend
+    try:
+        info = (backend or CliBackend()).job(job)
+    except SlurmError:
+        return False
+    return info is not None and (info.restarts or 0) > int(os.environ.get("SLURM_RESTART_COUNT") or 0)
 
 
 def controller_alive(status: Path, watch_s: float, sleep=time.sleep) -> bool:

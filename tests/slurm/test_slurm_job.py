@@ -67,7 +67,16 @@ class Job:
                     n["ready"] for n in nodes.values() if n["role"] in ("ACTIVE", "STANDBY")):
                 return
             time.sleep(0.2)
-        raise AssertionError(f"job {self.id} not running with warm standbys after {timeout}s")
+        raise AssertionError(f"job {self.id} not running with warm standbys after {timeout}s; "
+                             f"{self.slurm_view()}")
+
+    def slurm_view(self) -> str:
+        """What Slurm and the survivors of a lost controller say of the job, for a failure's message."""
+        f = self.fields()
+        lost = jobdir.control_dir(self.dir) / "lost"
+        ends = {p.name: p.read_text().strip() for p in lost.glob("run*/end-*.txt")}
+        return (f"Slurm: JobState={f.get('JobState')} Reason={f.get('Reason')} Restarts={f.get('Restarts')}; "
+                f"the lost controller's survivors: {ends or 'nothing'}")
 
     def fields(self) -> dict[str, str]:
         """`scontrol show job -o`'s key=value fields (of a value with spaces, its first word)."""
@@ -216,7 +225,7 @@ def _batch_host(job: Job) -> str:
 def _requeued(job: Job, restarts: int, timeout: float = 90) -> float:
     end = time.monotonic() + timeout
     while job.fields().get("Restarts") != str(restarts):
-        assert time.monotonic() < end, f"job {job.id} was not requeued a {restarts}. time; see {job.dir}"
+        assert time.monotonic() < end, f"job {job.id} was not requeued a {restarts}. time; {job.slurm_view()}"
         time.sleep(0.5)
     return time.time()
 

@@ -126,7 +126,11 @@ class Records:
             self._rewritten.add(step)      # a shard written again while being read: read it again
         if (len(got) == len(ckpt.shards(ctl.topo)) and step not in ctl.checkpoints_done
                 and step not in self._verifying):
-            self._verifying[step] = self._verifier.submit(ckpt.bad_shards, Path(ctl.checkpoint_path(step)), ctl.topo)
+            self._verify(step)
+
+    def _verify(self, step: int) -> None:
+        self._verifying[step] = self._verifier.submit(ckpt.bad_shards, Path(self.ctl.checkpoint_path(step)),
+                                                      self.ctl.topo)
 
     def poll_checkpoints(self) -> None:
         """Checkpoints whose verification ended: complete (keep the newest `keep`) or not."""
@@ -141,7 +145,7 @@ class Records:
                 bad = [f"{type(e).__name__}: {e}"]
             if bad and step in self._rewritten:
                 self._rewritten.discard(step)
-                self._verifying[step] = self._verifier.submit(ckpt.bad_shards, Path(ctl.checkpoint_path(step)), ctl.topo)
+                self._verify(step)
                 continue
             self._rewritten.discard(step)
             self._shards_in.pop(step, None)

@@ -10,8 +10,9 @@ its `scancel`. A released node's steps are killed by Slurm too, the strongest fe
 The calls run on one thread of their own, one at a time (each computes the node list from the
 last), never on the main loop: a recovery does not wait for slurmctld, which may take seconds (a
 job resized before, on Slurm 21.08-24.05 without slurmdbd: slurmctld retries for 5 s and refuses,
-"the DB index is being set"; the launcher knows it from the config and does not ask). `close` gives what is still pending
-`timeouts.fence_grace_s` before the job ends: the release is the Slurm side of the fence."""
+"the DB index is being set"; the launcher knows it from the config and does not ask). `close`
+gives what is still pending `timeouts.fence_grace_s` before the job ends: the release is the
+Slurm side of the fence."""
 from __future__ import annotations
 
 import time

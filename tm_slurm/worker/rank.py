@@ -206,8 +206,9 @@ class Worker:
         raised: the rank trains on and the previous checkpoint stays the valid one."""
         self.checkpoint_done(wait=True)          # one in flight at most
         t0 = time.perf_counter()
-        if (self._written is not None and self._written[0] == next_step and writer is not False and
-                (Path(self._written[1]) / checkpoints.shard_name(self.topo, self.rank) / checkpoints.INDEX_SUM).exists()):
+        shard = checkpoints.shard_name(self.topo, self.rank)
+        if (self._written is not None and self._written[0] == next_step and writer is not False
+                and (Path(self._written[1]) / shard / checkpoints.INDEX_SUM).exists()):
             # this rank's shard of that step is on disk already (a periodic write, then a shrink
             # at the same boundary): the state at a step's start is one state, and writing it
             # again would first remove the shard that the controller may be verifying
