@@ -243,6 +243,13 @@ def test_batch_host_lost_twice_checkpoints_and_requeues_each_time(submit, minicl
     t = minicluster.fail(first, "crash")                 # the controller's node dies
     headless = _requeued(job, 1) - t
     assert _survivors(job, 0) == sorted(n for n in st["nodes"] if n != first)
+    run0 = jobdir.control_dir(job.dir) / "lost" / "run0"
+    for _ in range(100):                  # the requeuing agent's note, written once scontrol returned
+        ends = [p.read_text() for p in run0.glob("end-*.txt")]
+        if ends:
+            break
+        time.sleep(0.1)
+    assert len(ends) == 1 and ends[0].startswith(f"scontrol requeue {job.id} -> 0"), ends
     minicluster.restore(first, wait=True)
     job.wait_warm(run=1)
     # the second run's batch host loses its network but keeps running: its controller hears
