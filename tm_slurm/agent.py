@@ -342,7 +342,10 @@ class Agent:
                 c = subprocess.run(["scancel", job], capture_output=True, text=True, timeout=30)
                 done.append(f"scancel {job} -> {c.returncode} {c.stderr.strip()}")
         self.logger.warning("; ".join(done))
-        fsync_write(paths.lost_dir(self.job_dir) / f"end-{self.node}.txt", ("\n".join(done) + "\n").encode())
+        try:
+            fsync_write(paths.lost_dir(self.job_dir) / f"end-{self.node}.txt", ("\n".join(done) + "\n").encode())
+        except OSError:
+            pass                         # a full disk: the job was requeued all the same
 
     def _flush(self, ch, timeout: float = 2.0) -> None:
         end = time.monotonic() + timeout
