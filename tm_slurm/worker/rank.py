@@ -77,7 +77,7 @@ class Worker:
         self.reaper = Reaper()
         self.ckpt_writer = ckpt.Writer()
         self._ckpt = None                # the background checkpoint write in flight
-        self._written: tuple[int, str] | None = None     # (step, path) of this rank's last shard
+        self._written: int | None = None  # the step of this rank's last shard written
         self.prepared: dict[int, dict[str, Group]] = {}
         self.state: TrainState | None = None
         self.ctx: Context | None = None
@@ -206,15 +206,15 @@ class Worker:
         raised: the rank trains on and the previous checkpoint stays the valid one."""
         self.checkpoint_done(wait=True)          # one in flight at most
         t0 = time.perf_counter()
-        shard = checkpoints.shard_name(self.topo, self.rank)
-        if (self._written is not None and self._written[0] == next_step and writer is not False
-                and (Path(self._written[1]) / shard / checkpoints.INDEX_SUM).exists()):
+        root = checkpoints.root(self.cfg, self.job_dir)
+        d = checkpoints.step_dir(root, next_step)
+        if (self._written == next_step and writer is not False
+                and (d / checkpoints.shard_name(self.topo, self.rank) / checkpoints.INDEX_SUM).exists()):
             # this rank's shard of that step is on disk already (a periodic write, then a shrink
             # at the same boundary): the state at a step's start is one state, and writing it
             # again would first remove the shard that the controller may be verifying
-            self.report("checkpoint", next_step, reason=reason, path=self._written[1], save_s=0.0)
+            self.report("checkpoint", next_step, reason=reason, path=str(d), save_s=0.0)
             return
-        root = checkpoints.root(self.cfg, self.job_dir)
         if background and writer is None:
             faults.at("checkpoint.periodic", self.node)
             fut = self.ckpt_writer.submit(root, next_step, self.rank, self.topo, self.state)
@@ -228,7 +228,7 @@ class Worker:
                         save_s=time.perf_counter() - t0, error=f"{type(e).__name__}: {e}"[:300])
             return
         if path:
-            self._written = (next_step, str(path))
+            self._written = next_step
         self.report("checkpoint", next_step, reason=reason, path=str(path) if path else None,
                     save_s=time.perf_counter() - t0)
 
@@ -239,7 +239,7 @@ class Worker:
         (step, reason, t0, stall, fut), self._ckpt = self._ckpt, None
         try:
             path, error = str(fut.result()), None
-            self._written = (step, path)
+            self._written = step
         except OSError as e:
             path, error = None, f"{type(e).__name__}: {e}"[:300]
         self.report("checkpoint", step, reason=reason, path=path, save_s=time.perf_counter() - t0,
