@@ -36,6 +36,7 @@ class SlurmLauncher:
         self.ended: set[str] = set()
         self.released: set[str] = set()
         self.shrink_refused = ""                     # why Slurm will not shrink the job again
+        self.resizes_once: bool | None = None        # Slurm's answer, asked after the first shrink
         self.batch_host: str | None = None
         self.companions: list[str] = []              # companion standby jobs submitted
         self.companion_nodes: dict[str, str] = {}   # node -> its companion job
@@ -115,17 +116,19 @@ class SlurmLauncher:
                 self._refuse_shrinks()
             raise
         self.released.add(node)
-        if self._resizes_once():
+        if self.resizes_once is None:
+            self.resizes_once = self._ask_resizes_once()
+        if self.resizes_once:
             self._refuse_shrinks()
         return f"released: job now on {len(keep)} nodes"
 
-    def _resizes_once(self) -> bool:
+    def _ask_resizes_once(self) -> bool | None:
         """Slurm 21.08-24.05 without slurmdbd (backend.resizes_once): every later update of a
         resized job holds a slurmctld thread 5 s and fails, so it is not asked at all."""
         try:
             return self.backend.resizes_once()
         except SlurmError:
-            return False                # then the first refusal tells (DB_INDEX_HOLD)
+            return None                 # asked again next time; the first refusal tells too
 
     def _refuse_shrinks(self) -> None:
         self.shrink_refused = (f"Slurm will not shrink job {self.job_id} again (\"{DB_INDEX_HOLD}\": "
