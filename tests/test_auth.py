@@ -29,7 +29,8 @@ def _plan() -> SwapPlan:
 def test_codec_round_trips_every_shape_the_control_plane_sends():
     launch = Launch("j", 0, "ACTIVE", 1, (2, 3), 1, ("python", "x.py"), "/w", (("A", "1"),),
                     cfgmod.to_dict(cfgmod.Config()), ("127.0.0.1", 29500), (GroupBuild("a", (0, 1), "p"),))
-    hb = Heartbeat("node1", 7, 1.5, (WorkerInfo(0, 11, 2, 5, 4, True, 0.01, ((4, 0.05, 0.1, float("nan"), 1e9),)),))
+    hb = Heartbeat("node1", 7, 1.5, (WorkerInfo(0, 11, 2, 5, 4, True),), True, (0, 5, 4),
+                   (2, 4, 0.05, 0.1, float("nan"), 1e9, False, 0.0))
     rep = StandbyReady(2, None, None, warm=True, sandbox={"roles": ["first", "last"], "per": {1: (2, 3)}, "none": None})
     for msg in (launch, hb, WorkerReport("node1", 0, rep), ToWorkers(_plan()), Challenge("n"), Announce("node1", 5)):
         # the wire's positional form, and the named one of files

@@ -204,24 +204,28 @@ class Agent:
             ch.send(WorkerExited(self.node, w.local, w.proc.pid, rc, w.rank))
 
     def heartbeat(self, ch) -> None:
-        """A beat names only the workers whose state changed or that committed steps since the
-        last one (all of them when the set of workers changed): with steps longer than a beat,
-        most beats would repeat what the controller knows, and at 1,024 nodes it opens 2,048
-        beats a second (README "Control plane at scale")."""
+        """A beat says only what changed since the last one (messages.Heartbeat): with steps
+        longer than a beat most beats would repeat what the controller knows, and at 1,024 nodes
+        it opens 2,048 beats a second (README "Control plane at scale")."""
         self.seq += 1
-        now = time.monotonic()
         full = self.sent.keys() != self.workers.keys()
         if full:
             self.sent.clear()
-        infos = []
+        infos, moves, records = [], [], []
         for w in self.workers.values():
-            state = (w.proc.pid, w.rank, w.step, w.committed, not w.done)
-            if w.progress or self.sent.get(w.local) != state:
-                infos.append(WorkerInfo(w.local, w.proc.pid, w.rank, w.step, w.committed, not w.done,
-                                        now - (w.last_heard or w.started), tuple(w.progress)))
-                self.sent[w.local] = state
-                w.progress = []
-        ch.send(Heartbeat(self.node, self.seq, time.time(), tuple(infos), full))
+            who, at = (w.proc.pid, w.rank, not w.done), (w.step, w.committed)
+            was = self.sent.get(w.local)
+            if was is None or was[0] != who:
+                infos.append(WorkerInfo(w.local, w.proc.pid, w.rank, w.step, w.committed, not w.done))
+            elif was[1] != at:
+                moves += (w.local, *at)
+            self.sent[w.local] = (who, at)
+            if w.rank is not None:
+                for e in w.progress:
+                    if len(e) in (6, 7):      # busy_s, the seventh, may be left out
+                        records += (w.rank, *e, *(0.0,) * (7 - len(e)))
+            w.progress = []
+        ch.send(Heartbeat(self.node, self.seq, time.time(), tuple(infos), full, tuple(moves), tuple(records)))
 
     # ------------------------------------------------------------ main loop
     def run(self) -> int:

@@ -98,12 +98,13 @@ def voters_main(spec: dict) -> int:
 
     def leader(node: int) -> None:
         counted = stores[node]
-        store, rank, kept, times = SealedStore(counted, keys), node * rpn, [], []
+        store, rank, kept, times, cpu = SealedStore(counted, keys), node * rpn, [], [], 0.0
         go.wait()
         for step in range(steps):
-            t0 = time.monotonic()
+            t0, c0 = time.monotonic(), time.thread_time()
             d = votes.vote(store, 0, step, world, True, spec["timeout_s"], rank, rpn)
             times.append((t0, time.monotonic(), d.commit))
+            cpu += time.thread_time() - c0
             if rank == 0:
                 counted.inner.set("bench/step", str(step))     # for the emulated agents' progress
                 kept.append(step)                              # rank 0 deletes a step's keys
@@ -111,17 +112,18 @@ def voters_main(spec: dict) -> int:
                 votes.forget(store, 0, kept.pop(0))
             time.sleep(step_s)
         with lock:
-            out[node] = {"times": times, "ops": counted.ops}
+            out[node] = {"times": times, "ops": counted.ops, "cpu_s": cpu}
 
     threads = [threading.Thread(target=leader, args=(n,), daemon=True) for n in spec["nodes"]]
     for t in threads:
         t.start()
     print("ready", flush=True)
     sys.stdin.readline()
+    cpu0 = time.process_time()
     go.set()
     for t in threads:
         t.join()
-    Path(spec["out"]).write_text(json.dumps(out))
+    Path(spec["out"]).write_text(json.dumps({"leaders": out, "cpu_s": time.process_time() - cpu0}))
     return 0
 
 
@@ -207,11 +209,14 @@ class Agents:
         full = self.seq == 1
         self.rounds["news" if new or full else "quiet"] += 1
         for name, ch, ranks in self.ends:
-            # as agent.heartbeat: a beat with no new step names no worker (nothing changed)
-            infos = tuple(WorkerInfo(i, 1000 + i, r, step + 1, step, True, 0.01,
-                                     tuple((s, 0.2, 0.2, 1.0, now, s == 0, 0.15) for s in new))
-                          for i, r in enumerate(ranks or [None] * self.rpn)) if new or full else ()
-            ch.send(Heartbeat(name, self.seq, now, infos, full))
+            # as agent.heartbeat: every worker once, then the steps its workers moved to and
+            # the records of the steps they committed; nothing when no step is new
+            slots = list(enumerate(ranks or [None] * self.rpn))
+            infos = tuple(WorkerInfo(i, 1000 + i, r, step + 1, step, True) for i, r in slots) if full else ()
+            moves = () if full or not new else tuple(x for i, _ in slots for x in (i, step + 1, step))
+            records = tuple(x for _, r in slots if r is not None for s in new
+                            for x in (r, s, 0.2, 0.2, 1.0, now, s == 0, 0.15))
+            ch.send(Heartbeat(name, self.seq, now, infos, full, moves, records))
             ch.poll(limit=1 << 20)
         self.beating = False
         self.cpu += time.thread_time() - t
@@ -360,9 +365,11 @@ def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float 
             if k.poll() is None:
                 k.kill()
             k.wait()
-    seen = {}
+    seen, voters_cpu = {}, 0.0
     for f in work.glob("voters*.json"):
-        seen.update(json.loads(f.read_text()))
+        got = json.loads(f.read_text())
+        seen.update(got["leaders"])
+        voters_cpu += got["cpu_s"]
     lat, skew, aborted = [], [], 0
     for s in range(steps):
         ts = [v["times"][s] for v in seen.values()]
@@ -379,6 +386,10 @@ def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float 
         "store_vote_p50_s": round(_pct(lat, 0.5), 5), "store_vote_p99_s": round(_pct(lat, 0.99), 5),
         "node_local_vote_p50_s": round(lp50, 5), "node_local_vote_p99_s": round(lp99, 5),
         "arrival_skew_p50_s": round(statistics.median(skew), 5),
+        # the emulated leaders' own CPU (their store clients, the vote's Python, their sleeps'
+        # wake-ups), on the same cores as the store server: what bounds the vote's latency here
+        "voters_cpu_per_step_s": round(voters_cpu / steps, 5),
+        "voters_vote_cpu_per_step_s": round(sum(v["cpu_s"] for v in seen.values()) / steps, 5),
         "controller_cpu_per_step_s": round(cpu / steps, 5),
         "controller_loop_cpu_per_step_s": round(main / steps, 5),
         "store_server_cpu_per_step_s": round((cpu - main) / steps, 5),

@@ -12,10 +12,11 @@ from ..messages import GroupBuild, Heartbeat, Launch, Ping, Switched, WorkerInfo
 
 
 def _samples() -> dict[str, object]:
-    progress = tuple((s, 0.05, 0.049, 2.31, 1.8e9, False, 0.01) for s in range(5))
+    records = tuple(x for s in range(5) for x in (3, s, 0.05, 0.049, 2.31, 1.8e9, False, 0.01))
     return {
         "ping": Ping(7, 1.8e9),
-        "heartbeat (1 worker, 5 steps)": Heartbeat("node1", 9, 1.8e9, (WorkerInfo(0, 1234, 3, 41, 40, True, 0.01, progress),)),
+        "heartbeat (1 worker, 5 steps)": Heartbeat("node1", 9, 1.8e9, (WorkerInfo(0, 1234, 3, 41, 40, True),),
+                                                   True, (), records),
         "report": WorkerReport("node1", 0, Switched(2, 3, 41, plan=1, switch_s=0.0004, rebuilt=["dp0"],
                                                         identity={"dp0": [1, 2]})),
         "launch (config, 16 groups)": Launch("job", 0, "ACTIVE", 1, (2, 3), 1, ("python", "train.py"), "/w", (),

@@ -45,6 +45,7 @@ from .pool import Pool
 from .progress import CommittedMin, Progress, keep_for
 from .records import Records
 from .releases import Releases
+from . import workers
 from .reports import ON_REPORT
 from .requests import Inbox as RequestInbox, Request, slurm_user_uid
 
@@ -82,7 +83,7 @@ class Controller:
         self.groups = {b.id: b for b in initial_builds(self.topo)}
         self.channels: dict[str, mpictl.Channel] = {}
         self.last_hb: dict[str, float] = {}
-        self.workers: dict[str, dict[int, object]] = {}
+        self.workers: dict[str, dict[int, workers.Seen]] = {}
         self.started: set[int] = set()
         self.standby_up: dict[str, set[int]] = {}
         self.progress = Progress(keep_for(self.topo.world))
@@ -283,14 +284,9 @@ class Controller:
     def _dispatch(self, node: str, m) -> None:
         if isinstance(m, Heartbeat):
             self.last_hb[node] = time.monotonic()
-            if m.full:
-                self.workers[node] = {w.local: w for w in m.workers}
-            else:
-                self.workers.setdefault(node, {}).update((w.local, w) for w in m.workers)
-            for w in m.workers:
-                if w.rank is not None and w.progress:
-                    self.progress.add(w.rank, w.progress)
-                    self.records.steps(e[0] for e in w.progress)
+            self.workers[node] = workers.merge(self.workers.get(node), m)
+            if m.records:
+                self.records.steps(self.progress.add_rows(m.records, self.topo.world))
         elif isinstance(m, WorkerReport):
             self.last_hb[node] = time.monotonic()
             self._report(node, m.local, m.report)
