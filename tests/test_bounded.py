@@ -24,12 +24,11 @@ def rec(step):
 def test_step_records_are_a_window_and_the_committed_step_is_incremental():
     p = Progress(keep=50)
     for s in range(10_000):
-        p.add(0, [rec(s)])
-        p.add(1, [rec(s)])
+        p.add_rows((0, *rec(s), 1, *rec(s)), 2)
     assert len(p.by_rank[0]) == 50 and p.committed(0) == 9_999 and p.min_committed([0, 1]) == 9_999
     # losses are a window of their own (result.json), as long whatever `keep` a large job has
     assert min(p.losses()) == 10_000 - KEEP and p.losses()[9_999] == rec(9_999)[3] and p.steady() is not None
-    p.add(0, [rec(9_990)])                          # a replay after a rollback: still the top
+    p.add_rows((0, *rec(9_990)), 2)                 # a replay after a rollback: still the top
     assert p.committed(0) == 9_999
     p.clear()
     assert p.committed(0) is None
@@ -52,12 +51,12 @@ def test_vote_keys_are_deleted_and_the_store_stays_bounded():
 
 def test_progress_counts_the_ranks_that_reported_a_step():
     p = Progress(keep=2)
-    rec = lambda s: (s, 0.1, 0.1, None, 1.0, False)
-    p.add(0, [rec(1), rec(2)])
-    p.add(1, [rec(1)])
-    p.add(1, [rec(1)])                 # again (a rollback): still one record
+    rec = lambda s: (s, 0.1, 0.1, None, 1.0, False, 0.0)
+    p.add_rows((0, *rec(1), 0, *rec(2)), 2)
+    p.add_rows((1, *rec(1)), 2)
+    p.add_rows((1, *rec(1)), 2)        # again (a rollback): still one record
     assert p.reported(1) == 2 and p.reported(2) == 1
-    p.add(0, [rec(3)])                 # step 1 of rank 0 falls out of the window
+    p.add_rows((0, *rec(3)), 2)        # step 1 of rank 0 falls out of the window
     assert p.reported(1) == 1 and p.reported(3) == 1
 
 
@@ -71,7 +70,7 @@ def test_the_committed_step_is_asked_every_tick_and_passes_over_all_ranks_once_a
     assert cm.get(holders) is None
     for step in range(3):
         for r in range(8):
-            p.add(r, [rec(step)])
+            p.add_rows((r, *rec(step)), 8)
             assert cm.get(holders) == (step if r == 7 else (None if step == 0 else step - 1))
     assert len(passes) == 4                          # the first ask, then one a step
     holders.hold(0, "n9")                            # new owners: asked afresh

@@ -221,7 +221,8 @@ class FakePort:
     # helpers for the tests
     def commit(self, *steps, ranks=None):
         for r in ranks if ranks is not None else range(self.topo.world):
-            self.progress.add(r, [(s, 0.1, 0.05, 1.0, 1000.0 + s, False, 0.05) for s in steps])
+            self.progress.add_rows(tuple(x for s in steps for x in (r, s, 0.1, 0.05, 1.0, 1000.0 + s, False, 0.05)),
+                                   self.topo.world)
 
     def down(self, node, aborted=True) -> Failure:
         """What the controller does before it hands a failure to the episodes."""
@@ -812,7 +813,8 @@ def ctl(tmp_path):
     for n in STANDBY:
         c.nodes.set_ready(n)
     for rank in range(4):
-        c.progress.add(rank, [(s, 0.1, 0.05, 1.0, 1000.0 + s, False, 0.05) for s in range(5)])
+        c.progress.add_rows(tuple(x for s in range(5) for x in (rank, s, 0.1, 0.05, 1.0, 1000.0 + s, False, 0.05)),
+                            c.topo.world)
     yield c
     c.releases.close(5)
     c.records.close()

@@ -58,47 +58,38 @@ class Progress:
         self._top.clear()
         self._have.clear()
 
-    def add(self, rank: int, entries) -> None:
-        """`entries`: StepRecord fields of each step, as the workers report them (busy_s may be
-        left out)."""
-        for e in entries:
-            if len(e) not in (6, 7):
-                raise TypeError(f"a step record has 6 or 7 fields, not {len(e)}")
-            self._put(rank, tuple(e) if len(e) == 7 else (*e, 0.0))
-
     def add_rows(self, rows: tuple, world: int) -> set[int]:
-        """`rows`: a heartbeat's flat records (messages.Heartbeat.records). Returns the steps
-        they were of; a row whose rank is not one of `world` is left out (a beat is sealed by
-        this job's agent: such a row is a fault, not an attack, and costs nothing else)."""
+        """`rows`: a heartbeat's flat records (messages.Heartbeat.records; the agent fills in a
+        busy_s the worker left out). Returns the steps they were of. A row whose rank is not
+        one of `world` is left out: a beat is sealed by this job's agent, so such a row is a
+        fault, not an attack, and costs nothing else."""
         steps, n = set(), RECORD_FIELDS
         for i in range(0, len(rows) - n + 1, n):
             rank = rows[i]
-            if type(rank) is int and 0 <= rank < world:
-                r = rows[i + 1:i + n]
-                self._put(rank, r)
-                steps.add(r[STEP])
+            if type(rank) is not int or not 0 <= rank < world:
+                continue
+            r = rows[i + 1:i + n]
+            step = r[STEP]
+            steps.add(step)
+            d = self.by_rank[rank]
+            if step not in d:
+                self._have[step] = self._have.get(step, 0) + 1
+            d[step] = r
+            if r[LOSS] is not None and rank <= self._loss.get(step, (rank, None))[0]:
+                self._loss[step] = (rank, r[LOSS])
+                if len(self._loss) > KEEP:
+                    del self._loss[min(self._loss)]
+            if step > self._top.get(rank, step - 1):
+                self._top[rank] = step
+                self.moved.add(rank)
+            if len(d) > self.keep:
+                old = next(iter(d))           # the oldest reported
+                del d[old]
+                if (left := self._have[old] - 1) > 0:
+                    self._have[old] = left
+                else:
+                    del self._have[old]
         return steps
-
-    def _put(self, rank: int, r: tuple) -> None:
-        d = self.by_rank[rank]
-        step = r[STEP]
-        if step not in d:
-            self._have[step] = self._have.get(step, 0) + 1
-        d[step] = r
-        if r[LOSS] is not None and rank <= self._loss.get(step, (rank, None))[0]:
-            self._loss[step] = (rank, r[LOSS])
-            if len(self._loss) > KEEP:
-                del self._loss[min(self._loss)]
-        if step > self._top.get(rank, step - 1):
-            self._top[rank] = step
-            self.moved.add(rank)
-        if len(d) > self.keep:
-            old = next(iter(d))           # the oldest reported
-            del d[old]
-            if (left := self._have[old] - 1) > 0:
-                self._have[old] = left
-            else:
-                del self._have[old]
 
     def reported(self, step: int) -> int:
         """How many ranks have a record of `step`."""
