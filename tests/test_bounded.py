@@ -1,9 +1,8 @@
 """What the controller and the store hold does not grow with the number of steps (issue 14,
-item 4): step records are a recent window, the committed step is kept incrementally, and a
-step's vote keys are deleted KEYS_KEPT votes later."""
+item 4): step records are a recent window, the committed step is kept incrementally, and the
+controller deletes a step's vote keys KEYS_KEPT steps behind a commit."""
 from __future__ import annotations
 
-from collections import deque
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -13,6 +12,7 @@ from tm_slurm.comm.sealed import SealedStore
 from tm_slurm.control.auth import Keys
 from tm_slurm.controller.holders import Holders
 from tm_slurm.controller.progress import KEEP, CommittedMin, Progress, keep_for
+from tm_slurm.controller.votekeys import PER_TICK, VoteKeys
 from tm_slurm.topology import Topology
 from tm_slurm.config import Layout
 
@@ -35,18 +35,56 @@ def test_step_records_are_a_window_and_the_committed_step_is_incremental():
     assert keep_for(8) == KEEP and keep_for(8192) * 8192 <= 1 << 19     # 1,024 x 8: 64 steps a rank
 
 
-def test_vote_keys_are_deleted_and_the_store_stays_bounded():
-    m = SealedStore(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                  timeout=timedelta(seconds=10)), Keys.derive(b"b" * 32))
-    voted: deque = deque()
-    for step in range(400):
-        assert V.vote(m, 0, step, 1, True, 5.0, 0).commit
-        voted.append((0, step))
-        if len(voted) > V.KEYS_KEPT:
-            V.forget(m, *voted.popleft())
+def _store():
+    return SealedStore(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                     timeout=timedelta(seconds=10)), Keys.derive(b"b" * 32))
+
+
+def _run(m, keys, gen, steps, lag=3):
+    """Vote `steps` in `gen` with one voter, the controller sweeping each step with a view of
+    the committed step `lag` steps old (heartbeats lag)."""
+    for step in steps:
+        assert V.vote(m, gen, step, 1, True, 5.0, 0).commit
+        keys.sweep(step - lag)
+
+
+def test_the_controller_deletes_vote_keys_and_the_store_stays_bounded():
+    m = _store()
+    keys = VoteKeys(m, 0, 0)
+    _run(m, keys, 0, range(400))
     # three keys per kept step (the votes, the count, the decision), whatever the length
-    assert m.num_keys() <= 3 * (V.KEYS_KEPT + 1) + 1
+    assert m.num_keys() <= 3 * (V.KEYS_KEPT + PER_TICK + 4)
     assert not m.check([V.dkey(0, 0)]) and m.check([V.dkey(0, 399)])
+    # a switch after step 399: the old generation's keys go once the new one has a commit
+    keys.enter(1, 400)
+    _run(m, keys, 1, range(400, 420))
+    assert not any(m.check([V.dkey(0, s)]) for s in range(300, 400))
+    # a recovery from a checkpoint of step 200, in generation 2: the controller's picture of
+    # the committed step is still the old top (419), and no key of a step the ranks are yet to
+    # vote on again goes: nothing is deleted until generation 2 commits the step it names
+    keys.enter(2, 200)
+    for step in range(200, 300):
+        assert V.vote(m, 2, step, 1, True, 5.0, 0).commit
+        keys.sweep(419)
+        assert m.check([V.dkey(2, step)]) and m.check([V.dkey(2, 200)])
+    _run(m, keys, 2, range(300, 700))
+    assert not m.check([V.dkey(2, 200)]) and not any(m.check([V.dkey(1, s)]) for s in range(400, 420))
+    assert m.num_keys() <= 3 * (V.KEYS_KEPT + PER_TICK + 4)
+    # a stalled job costs one look at the store, not one a tick
+    ops = keys.ops
+    for _ in range(50):
+        keys.sweep(800)
+    assert keys.ops == ops + 1
+
+
+def test_a_strangers_decision_deletes_nothing():
+    m = _store()
+    keys = VoteKeys(m, 0, 0)
+    for step in range(100):
+        assert V.vote(m, 0, step, 1, True, 5.0, 0).commit
+    m.inner.set(m._k(V.dkey(0, 150)), b"forged")        # no seal: as if absent
+    assert keys.sweep(150) == 0 and m.check([V.dkey(0, 0)])
+    assert keys.sweep(99) == PER_TICK and not m.check([V.dkey(0, 0)])
 
 
 def test_progress_counts_the_ranks_that_reported_a_step():

@@ -98,6 +98,7 @@ class FakePort:
         self.progress = Progress()
         self.store = FakeStore()
         self.gen = 0
+        self.first_steps: list[tuple[int, int]] = []     # (generation, its first step) entered
         self._gen_seq = self._plan_seq = 0
         self.total_steps = None
         self.requeue_code = 75
@@ -148,11 +149,12 @@ class FakePort:
         self._gen_seq += 1
         return self._gen_seq
 
-    def enter_gen(self, gen):
+    def enter_gen(self, gen, first_step):
         self.gen = self.log.gen = gen
+        self.first_steps.append((gen, first_step))
 
-    def adopt(self, plan, since):
-        self.enter_gen(plan.gen_to)
+    def adopt(self, plan, since, first_step=None):
+        self.enter_gen(plan.gen_to, since if first_step is None else first_step)
         for m in plan.moves:
             self.holders.hold(m.slot, m.joiner, since)
 
@@ -281,6 +283,8 @@ def test_swap_from_plan_to_measured_completion():
     assert port.holders.ranks[1] == "s0" and port.holders.since["s0"] == 5
     assert port.nodes.nodes["s0"].role == Role.ACTIVE and port.job.state == JobState.RUNNING
     assert port.gen == ep.plan.gen_to
+    # the new generation's ranks vote from the step after the switch (its vote keys start there)
+    assert port.first_steps == [(ep.plan.gen_to, 7)]
 
     ep.on_report("n1", r(Left, 1, 7, plan=ep.plan.id, bytes=100, transfer_s=0.01, tensors=3))
     assert ("n1", Shutdown("evacuated")) in port.sent
@@ -806,9 +810,11 @@ class FakeLauncher:
 @pytest.fixture
 def ctl(tmp_path):
     from tm_slurm.controller.core import Controller
+    from tm_slurm.controller.votekeys import VoteKeys
     c = Controller(Config(layout=LAYOUT), job_id="t", job_dir=tmp_path, command=["x"], cwd=".", env={},
                    nodes=ACTIVE + STANDBY, standbys=2, launcher=FakeLauncher())
     c.store, c.t_start = FakeStore(), 0.0
+    c.vote_keys = VoteKeys(c.store, 0, 0)
     c.job.set(JobState.RUNNING)
     for n in STANDBY:
         c.nodes.set_ready(n)

@@ -98,7 +98,7 @@ def voters_main(spec: dict) -> int:
 
     def leader(node: int) -> None:
         counted = stores[node]
-        store, rank, kept, times, cpu = SealedStore(counted, keys), node * rpn, [], [], 0.0
+        store, rank, times, cpu = SealedStore(counted, keys), node * rpn, [], 0.0
         go.wait()
         for step in range(steps):
             t0, c0 = time.monotonic(), time.thread_time()
@@ -107,9 +107,6 @@ def voters_main(spec: dict) -> int:
             cpu += time.thread_time() - c0
             if rank == 0:
                 counted.inner.set("bench/step", str(step))     # for the emulated agents' progress
-                kept.append(step)                              # rank 0 deletes a step's keys
-            if len(kept) > votes.KEYS_KEPT:
-                votes.forget(store, 0, kept.pop(0))
             time.sleep(step_s)
         with lock:
             out[node] = {"times": times, "ops": counted.ops, "cpu_s": cpu}
@@ -360,6 +357,7 @@ def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float 
         ctl.broadcast(ToWorkers(Recover(rplan)))
         recovery_s = time.perf_counter() - t
         store_keys = raw.num_keys()
+        vote_keys_ops = ctl.vote_keys.ops
     finally:
         for k in kids:
             if k.poll() is None:
@@ -377,7 +375,8 @@ def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float 
         lat.append(max(x[1] for x in ts) - max(x[0] for x in ts))
         skew.append(max(x[0] for x in ts) - min(x[0] for x in ts))
     lat = lat[5:]                               # connections and caches warm up
-    ops = sum(v["ops"] for v in seen.values()) / steps
+    # the leaders' and the controller's (it deletes old steps' vote keys: controller/votekeys.py)
+    ops = (sum(v["ops"] for v in seen.values()) + vote_keys_ops) / steps
     lp50, lp99 = statistics.median(local), _pct(local, 0.99)
     out = {
         "nodes": nodes, "ranks_per_node": rpn, "world": world, "steps": steps, "step_s": step_s,

@@ -72,9 +72,9 @@ def switch_key(plan_id: int) -> str:
     return f"plan{plan_id}/switch_step"
 
 
-# a step's vote keys are deleted this many votes later (by rank 0): every rank is past it by then
-# (votes are step-synchronous), and the controller's abort_in_flight only looks at the steps the
-# ranks report they are working on
+# a step's vote keys are deleted this many steps behind a commit (by the controller:
+# controller/votekeys.py): every rank is past it by then, and the controller's abort_in_flight
+# only looks at the steps the ranks report they are working on
 KEYS_KEPT = 64
 
 _RANK = 4      # bytes of a vote: the voting rank
@@ -86,8 +86,8 @@ def voters(store, gen: int, step: int) -> list[int]:
 
 
 def forget(store, gen: int, step: int) -> None:
-    """Rank 0: delete an old step's keys, so the store holds a bounded number of keys whatever
-    the number of steps."""
+    """Controller: delete an old step's keys, so the store holds a bounded number of keys
+    whatever the number of steps (controller/votekeys.py says when)."""
     for k in (vkey(gen, step), nkey(gen, step), dkey(gen, step)):
         store.delete_key(k)
 

@@ -45,6 +45,7 @@ from .pool import Pool
 from .progress import CommittedMin, Progress, keep_for
 from .records import Records
 from .releases import Releases
+from .votekeys import VoteKeys
 from . import workers
 from .reports import ON_REPORT
 from .requests import Inbox as RequestInbox, Request, slurm_user_uid
@@ -143,8 +144,9 @@ class Controller:
         self._gen_seq += 1
         return self._gen_seq
 
-    def enter_gen(self, gen: int) -> None:
+    def enter_gen(self, gen: int, first_step: int) -> None:
         self.gen = self.log.gen = gen
+        self.vote_keys.enter(gen, first_step)
         for ch in self.channels.values():
             ch.sealer.gen = gen
 
@@ -165,9 +167,10 @@ class Controller:
         for n in list(self.channels):
             self.send(n, enc)
 
-    def adopt(self, plan: SwapPlan, since: int) -> None:
-        """A plan took effect: new generation, new slot holders (from step `since`), new group instances."""
-        self.enter_gen(plan.gen_to)
+    def adopt(self, plan: SwapPlan, since: int, first_step: int | None = None) -> None:
+        """A plan took effect: new generation (its ranks vote from `first_step`, by default
+        `since`), new slot holders (from step `since`), new group instances."""
+        self.enter_gen(plan.gen_to, since if first_step is None else first_step)
         for m in plan.moves:
             self.holders.hold(m.slot, m.joiner, since)
         for b in plan.builds:
@@ -232,8 +235,11 @@ class Controller:
                                timeout=timedelta(seconds=self.T.vote_timeout_s))
         self.store = SealedStore(server, self.keys)
         self.store_addr = (self.store_host, server.port)
+        self.vote_keys = VoteKeys(self.store, self.gen, self.start_step)
 
     def _open(self) -> None:
+        if self.resume_checkpoint:
+            self.start_step = int(Path(self.resume_checkpoint).name.removeprefix("step"))
         self.open_store()
         jobdir.control_dir(self.job_dir)
         self.port = mpictl.Port(jobdir.port_file(self.job_dir))
@@ -241,8 +247,6 @@ class Controller:
                                    self.T.auth_timeout_s, self.log.emit)
         if (granted := jobdir.grant_slurm_user(self.job_dir, slurm_user_uid())) is not None:
             self.log.emit("job_dir_access", slurm_user_uid=granted[0], acl=granted[1])
-        if self.resume_checkpoint:
-            self.start_step = int(Path(self.resume_checkpoint).name.removeprefix("step"))
         self.log.emit("job_start", nodes=sorted(self.nodes.nodes), pid=os.getpid(),
                       layout=cfgmod.to_dict(self.cfg)["layout"], command=self.command,
                       store=list(self.store_addr), resume_from=self.resume_checkpoint,
@@ -554,6 +558,7 @@ class Controller:
         for ep in list(self.live()):
             ep.tick(now)
         self.pool.check_stragglers(now)
+        self.vote_keys.sweep(self.committed_step())
         self.records.poll_checkpoints()
         self.releases.poll()
         self._drive_intake()

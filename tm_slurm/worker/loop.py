@@ -105,14 +105,7 @@ def _vote(w: Worker, voter: ThreadPoolExecutor, step: int) -> votes.Decision:
     error = None
     while True:
         try:
-            d = fut.result(timeout=0.05)
-            if w.rank == 0:                 # the one who deletes a step's keys
-                w.voted.append((w.gen, step))
-            if len(w.voted) > votes.KEYS_KEPT:
-                # on the vote thread while this one computes the next step; a failure there is
-                # the store's, and the next vote meets it
-                voter.submit(votes.forget, w.store, *w.voted.popleft())
-            return d
+            return fut.result(timeout=0.05)
         except FutureTimeout:
             if w.inbox.lost_controller is not None:
                 break
@@ -149,13 +142,6 @@ def _switch(w: Worker, plan: SwapPlan, next_step: int) -> None:
         info = send_state(link.pg, w.state, next_step, w.transfer_sealer(), peer=1)
         w.report("left", next_step, plan=plan.id, **info)
         w.checkpoint_done(wait=True)     # a shard being written is still the job's
-        # a leaving rank 0: nobody else deletes the last steps' vote keys; off the stayers' path,
-        # they are going on; a store that fails now costs only the keys, never the clean exit
-        try:
-            while w.voted:
-                votes.forget(w.store, *w.voted.popleft())
-        except Exception:
-            pass
         exit_clean()
     before = w.table.identities()
     w.install(built)

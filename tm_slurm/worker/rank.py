@@ -11,7 +11,6 @@ import socket
 import sys
 import threading
 import time
-from collections import deque
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable
@@ -65,7 +64,6 @@ class Worker:
         self.rank: int | None = None
         self.step: int | None = None           # the step being worked on
         self.committed: int | None = None      # the last committed step
-        self.voted: deque[tuple[int, int]] = deque()   # (gen, step) whose vote keys are not deleted yet
         self.device = self._device()
         self.backend = pick_backend(self.cfg.comm.backend, self.device)
         self.iface = self.cfg.comm.interface or socket.gethostname()

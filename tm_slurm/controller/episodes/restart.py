@@ -197,7 +197,7 @@ class FullRestart(Episode):
 
     def relaunch(self) -> None:
         p = self.port
-        p.enter_gen(p.new_gen())
+        p.enter_gen(p.new_gen(), self.from_step or 0)
         if self.shrink is not None:
             self._apply_shrink()
         for m in self.moves:

@@ -122,7 +122,7 @@ class PlannedSwap(Episode):
         self.to(S.SWITCHED)
         self.switch_step = step
         self.t_switched = p.now() if now is None else now
-        p.adopt(plan, since=(p.committed_step() or 0) + 1)
+        p.adopt(plan, since=(p.committed_step() or 0) + 1, first_step=step + 1)
         for m in plan.moves:
             # a joiner that died after the commit carrying the switch stays FAILED: its slot is
             # recovered like any other active node's
