@@ -26,6 +26,7 @@ class Inbox:
         self.recoveries: queue.Queue = queue.Queue()    # for an active rank after an abort
         self.stop_reason: str | None = None
         self.lost_controller: str | None = None
+        self.on_lost: Callable[[], None] = lambda: None     # the training loop's (lost.Watch)
         self.promoted = False
         self._progress: list = []
         self._plock = threading.Lock()
@@ -74,6 +75,7 @@ class Inbox:
             elif isinstance(msg, Checkpoint):
                 self.lost_controller = msg.reason
                 self._both(msg)
+                self.on_lost()
             elif isinstance(msg, Stop):
                 self.stop_reason = msg.reason
                 self._both(msg)

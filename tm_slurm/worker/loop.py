@@ -11,9 +11,8 @@ import socket
 import sys
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -57,7 +56,19 @@ def start(w: Worker, build_fn: BuildFn, step_fn: StepFn) -> int:
 
 
 def train(w: Worker, step_fn: StepFn, steps: int, start: int) -> None:
-    voter = ThreadPoolExecutor(1, thread_name_prefix="tm-vote")
+    run = training(w, steps, start)
+    step = next(run)
+    while True:
+        step = run.send(step_fn(w.ctx, w.state, step))
+
+
+def training(w: Worker, steps: int, start: int) -> Iterator[int]:
+    """The training loop as a generator: it yields each step to run and is sent the step's
+    result (its loss, or None), whoever runs the step: `train` calls a step function, the stock
+    API's `opt.step()` sends on (stock.py), so a healthy step needs no hand-off between threads.
+    It never returns: the process ends after the last step (or a stop)."""
+    w.watch = lost.Watch()
+    w.inbox.on_lost = lambda: w.watch.take_over(w)
     st = w.state
     step = start
     t_prev = time.perf_counter()
@@ -69,9 +80,9 @@ def train(w: Worker, step_fn: StepFn, steps: int, start: int) -> None:
         (st.optimizer or st.model).zero_grad(set_to_none=True)
         w.table.broken.clear()
         w.table.comm_s = 0.0
-        loss = step_fn(w.ctx, st, step)
+        loss = yield step
         busy = time.perf_counter() - t0 - w.table.comm_s   # own work: stragglers show here
-        d = _vote(w, voter, step)
+        d = _vote(w, step)
         if not d.commit:
             (st.optimizer or st.model).zero_grad(set_to_none=True)
             step = promote.recover(w, step, d)
@@ -96,23 +107,17 @@ def train(w: Worker, step_fn: StepFn, steps: int, start: int) -> None:
     _finish(w, step)
 
 
-def _vote(w: Worker, voter: ThreadPoolExecutor, step: int) -> votes.Decision:
-    """The commit vote runs on a thread of its own: if the controller's host dies, its store
-    can hang a blocking wait for minutes, and the main thread must still hear its agent
-    say so (and write the survivors' checkpoint)."""
-    fut = voter.submit(w.node_vote, w.store, w.gen, step, w.cfg.layout.world,
-                       not w.table.broken, w.T.vote_timeout_s, w.rank)
-    error = None
-    while True:
-        try:
-            return fut.result(timeout=0.05)
-        except FutureTimeout:
-            if w.inbox.lost_controller is not None:
-                break
-        except Exception as e:        # the store connection broke: the controller is gone
-            error = e
-            break
-    lost.controller_lost(w, pending=step, error=error)
+def _vote(w: Worker, step: int) -> votes.Decision:
+    """The commit vote, on this thread; a lost controller is handled by `lost.Watch`."""
+    w.watch.enter(w, step)
+    try:
+        d = w.node_vote(w.store, w.gen, step, w.cfg.layout.world, not w.table.broken,
+                        w.T.vote_timeout_s, w.rank)
+    except Exception as e:        # the store connection broke: the controller is gone
+        w.watch.leave(w, step, e)
+        raise                     # unreachable: leave() does not return on an error
+    w.watch.leave(w, step)
+    return d
 
 
 def _boundary(w: Worker, next_step: int, d: votes.Decision) -> None:

@@ -78,6 +78,7 @@ class Worker:
         self._written: int | None = None  # the step of this rank's last shard written
         self.prepared: dict[int, dict[str, Group]] = {}
         self.state: TrainState | None = None
+        self.applying = False
         self.ctx: Context | None = None
         self.parked: tuple[str, TrainState] | None = None   # a standby's rehearsed (role, state)
         self.job_dir = Path(os.environ.get("TM_SLURM_JOB_DIR", "."))
@@ -192,10 +193,18 @@ class Worker:
         """The optimizer step of a committed step (only ever under a commit decision)."""
         st = self.state
         if st.optimizer is not None:
-            st.optimizer.step()
+            self.step_optimizer(st.optimizer)
         if st.scheduler is not None:
             st.scheduler.step()
         self.committed = step
+
+    def step_optimizer(self, optimizer) -> None:
+        """The runtime's step of an optimizer: the stock API's refuses any other (stock.py)."""
+        self.applying = True
+        try:
+            optimizer.step()
+        finally:
+            self.applying = False
 
     def checkpoint(self, next_step: int, reason: str, writer: bool | None = None,
                    background: bool = False) -> None:

@@ -132,7 +132,7 @@ def rehearse(w, build_fn, step_fn, steps: int, wait_standins_s: float = 30.0) ->
             (state.optimizer or state.model).zero_grad(set_to_none=True)
             step_fn(ctx, state, i)
             if state.optimizer is not None:
-                state.optimizer.step()
+                w.step_optimizer(state.optimizer)
             times.append(time.perf_counter() - t1)
         report["roles"][ctx.role] = {"rank": r, "total_s": round(time.perf_counter() - t0, 3),
                                      "step_s": [round(x, 3) for x in times]}
