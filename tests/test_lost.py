@@ -131,3 +131,41 @@ def test_a_requeue_that_said_it_failed_but_happened_is_not_cancelled(monkeypatch
     assert not requeued_anyway("7", Be(None)) and not requeued_anyway("7", Be(SlurmError("slurmctld down")))
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")      # the second run: one restart was before it
     assert not requeued_anyway("7", Be(1)) and requeued_anyway("7", Be(2))
+
+
+def test_one_thread_writes_the_survivors_part_whoever_hears_of_the_lost_controller_first(monkeypatch):
+    """lost.Watch: the vote runs on the training thread; when the agent says the controller is
+    lost while that thread is blocked in a vote (a store whose host is gone), the inbox's thread
+    writes this rank's part in its place, once, with the step being voted as the pending one."""
+    from tm_slurm.worker import lost
+    calls, parked = [], []
+    monkeypatch.setattr(lost, "controller_lost", lambda w, pending, error: calls.append((pending, error)))
+    monkeypatch.setattr(lost, "_park", lambda: parked.append(threading.current_thread().name))
+    w = SimpleNamespace(inbox=SimpleNamespace(lost_controller=None))
+
+    watch = lost.Watch()                       # a healthy vote: nobody acts
+    watch.enter(w, 5)
+    watch.leave(w, 5)
+    watch.take_over(w)                         # between votes: the next vote's enter acts
+    assert calls == [] and parked == []
+
+    watch.enter(w, 6)                          # blocked in the vote when the agent speaks
+    w.inbox.lost_controller = "batch host lost"
+    watch.take_over(w)
+    for t in threading.enumerate():
+        if t.name == "tm-lost":
+            t.join()
+    assert calls == [(6, None)]
+    watch.leave(w, 6)                          # the vote returns after all: this thread parks
+    assert parked == [threading.current_thread().name] and calls == [(6, None)]
+
+    watch = lost.Watch()                       # the word came between votes
+    watch.enter(w, 7)
+    assert calls[-1] == (7, None) and len(calls) == 2
+
+    w.inbox.lost_controller = None             # the store failed first, in the vote
+    watch, err = lost.Watch(), ConnectionError("reset")
+    watch.enter(w, 8)
+    watch.leave(w, 8, err)
+    watch.take_over(w)                         # the agent's word after it: nothing more
+    assert calls[-1] == (8, err) and len(calls) == 3
