@@ -36,14 +36,14 @@ class VoteKeys:
     def sweep(self, committed: int | None) -> int:
         """`committed`: the job's committed step as the controller sees it (which commit to look
         for). Deletes the keys of at most PER_TICK steps; returns how many."""
-        gen, nxt = self.gens[-1]
-        if committed is None or (len(self.gens) == 1 and committed - votes.KEYS_KEPT < nxt):
+        cur = self.gens[-1]
+        if committed is None or (len(self.gens) == 1 and committed - votes.KEYS_KEPT < cur[1]):
             return 0
-        if (gen, committed) != self._seen:
-            if (gen, committed) == self._not_yet or not self._committed(gen, committed):
-                self._not_yet = (gen, committed)       # asked once: a stalled job costs no more
+        if (cur[0], committed) != self._seen:
+            if (cur[0], committed) == self._not_yet or not self._committed(cur[0], committed):
+                self._not_yet = (cur[0], committed)    # asked once: a stalled job costs no more
                 return 0
-            self._seen = (gen, committed)
+            self._seen = (cur[0], committed)
         done = 0
         while len(self.gens) > 1 and done < PER_TICK:
             old = self.gens[0]
@@ -54,7 +54,6 @@ class VoteKeys:
             self._forget(*old)
             old[1] += 1
             done += 1
-        cur = self.gens[-1]
         while cur[1] <= committed - votes.KEYS_KEPT and done < PER_TICK:
             self._forget(*cur)
             cur[1] += 1
