@@ -31,15 +31,16 @@ def small_fs(tmp_path):
         subprocess.run(["umount", "-l", str(d)], check=True)
 
 
-def fill(d) -> None:
-    fd = os.open(d / "filler", os.O_WRONLY | os.O_CREAT)
+def fill(d) -> int:
+    fd, n = os.open(d / "filler", os.O_WRONLY | os.O_CREAT), 0
     try:
-        while os.write(fd, b"\0" * 512):
-            pass
+        while True:
+            n += os.write(fd, b"\0" * 512)
     except OSError as e:
         assert e.errno == errno.ENOSPC
     finally:
         os.close(fd)
+    return n
 
 
 def test_events_are_counted_while_the_disk_is_full_and_reported_after(small_fs):
@@ -63,11 +64,18 @@ def test_events_are_counted_while_the_disk_is_full_and_reported_after(small_fs):
     log.close()
 
 
-def test_a_checkpoint_that_does_not_fit_leaves_nothing_of_its_shard(small_fs):
+@pytest.mark.parametrize("pages_free", [0, 2])
+def test_a_checkpoint_that_does_not_fit_leaves_nothing_of_its_shard(small_fs, pages_free):
+    """Full before the write (an OSError from the first write) or in the middle of a tensor
+    (torch's zip writer says only "unexpected pos"): both are a full disk, said as one."""
     state = TrainState(torch.nn.Linear(256, 256))              # 257 KiB of weights: does not fit
     t = Topology(Layout())
-    with pytest.raises(OSError):
+    if pages_free:
+        n = fill(small_fs)
+        os.truncate(small_fs / "filler", n - pages_free * 4096)
+    with pytest.raises(OSError, match="No space left on device") as e:
         ckpt.save(small_fs / "ckpt", 10, 0, t, state)
+    assert e.value.errno == errno.ENOSPC
     d = checkpoints.step_dir(small_fs / "ckpt", 10)
     assert list(d.iterdir()) == []
     assert checkpoints.latest_valid(small_fs / "ckpt", t)[0] is None

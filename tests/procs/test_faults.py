@@ -174,8 +174,8 @@ def test_an_exit_checkpoint_that_cannot_be_written_ends_requeueable(tmp_path, re
             os.close(fd)
         fail(job_dir, "node2", "kill")
 
-    # periodic checkpoints at 20, 40, ...: none is being written (and its partial files freed,
-    # making room) when the disk is filled at 25
+    # periodic checkpoints at 20, 40, ...: the filler takes every page, so one that is written
+    # (or in flight) after the fill fails as the exit checkpoint does, and frees less than it needs
     sets = ["standby.count=0", f"checkpoint.dir={ck}", "checkpoint.every_steps=20"]
     try:
         ran = run_job(tmp_path, "4+0", STEPS, [(25, fill_then_kill, "-")], sets=sets)

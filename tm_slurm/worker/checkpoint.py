@@ -26,6 +26,7 @@ written by a thread while training goes on (`Writer`); one is in flight at most.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -157,10 +158,23 @@ def write(root_: Path, s: Staged) -> Path:
         data = codec.dumps(CheckpointIndex(s.step, s.key, s.keys, tensors, s.plain, files))
         fsync_write(sd / INDEX, data)
         fsync_write(sd / INDEX_SUM, hashlib.sha256(data).hexdigest().encode())
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(sd, ignore_errors=True)
+        if isinstance(e, RuntimeError) and _no_room(root_, s):
+            raise OSError(errno.ENOSPC, f"writing checkpoint shard {sd}: No space left on device ({e})") from None
         raise
     return d
+
+
+def _no_room(root_: Path, s: Staged) -> bool:
+    """Whether the shard cannot fit where it was written. A disk that fills in the middle of a
+    tensor's write surfaces from torch's zip writer as a RuntimeError about a short write, with
+    no errno: the free space says what it was."""
+    try:
+        fs = os.statvfs(root_)
+    except OSError:
+        return False
+    return fs.f_bavail * fs.f_frsize < sum(t.numel() * t.element_size() for _, t, _, _ in s.pieces)
 
 
 def save(root_: Path, step: int, rank: int, topo: Topology, state: TrainState,

@@ -230,7 +230,7 @@ class Worker:
                 return
         try:
             path = ckpt.save(root, next_step, self.rank, self.topo, self.state, writer=writer)
-        except OSError as e:
+        except Exception as e:            # a failed write is the checkpoint's, not the rank's
             self.report("checkpoint", next_step, reason=reason, path=None,
                         save_s=time.perf_counter() - t0, error=f"{type(e).__name__}: {e}"[:300])
             return
@@ -247,7 +247,7 @@ class Worker:
         try:
             path, error = str(fut.result()), None
             self._written = step
-        except OSError as e:
+        except Exception as e:
             path, error = None, f"{type(e).__name__}: {e}"[:300]
         self.report("checkpoint", step, reason=reason, path=path, save_s=time.perf_counter() - t0,
                     error=error, stall_s=stall)
