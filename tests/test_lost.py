@@ -9,6 +9,8 @@ import threading
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from tm_slurm import jobdir
 from tm_slurm.agent import controller_alive, requeued_anyway
 from tm_slurm.controller.liveness import controller_cut_off
@@ -169,3 +171,44 @@ def test_one_thread_writes_the_survivors_part_whoever_hears_of_the_lost_controll
     watch.leave(w, 8, err)
     watch.take_over(w)                         # the agent's word after it: nothing more
     assert calls[-1] == (8, err) and len(calls) == 3
+
+
+def test_a_survivor_whose_checkpoint_cannot_be_written_says_so_and_ends_requeueable(tmp_path, monkeypatch):
+    """The last committed state cannot be written (a full disk): the rank reports it and ends
+    requeue-able, where the error would have ended only the writing thread (the inbox's, when
+    the agent spoke first) and left the training thread parked for good."""
+    from tm_slurm.exits import Exit
+    from tm_slurm.worker import lost
+
+    class Ended(Exception):
+        pass
+
+    def save(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    def exit_clean(code):
+        raise Ended(code)
+
+    class Sealer:
+        def seal(self, m):
+            self.m = m
+            return b"sealed"
+
+        def open(self, data):
+            return self.m
+
+    sealer, reports = Sealer(), []
+    monkeypatch.setattr(lost.ckpt, "save", save)
+    monkeypatch.setattr(lost, "exit_clean", exit_clean)
+    w = SimpleNamespace(inbox=SimpleNamespace(lost_controller="batch host lost"), job_dir=tmp_path,
+                        rank=0, node="node1", committed=9, topo=SimpleNamespace(world=1),
+                        cfg=SimpleNamespace(checkpoint=SimpleNamespace(dir=str(tmp_path / "ck"))),
+                        state=None, transfer_sealer=lambda: sealer,
+                        report=lambda kind, step, **data: reports.append((kind, step, data)))
+    monkeypatch.setattr(lost.checkpoints, "shard_name", lambda topo, rank: "pp0.tp0")
+    with pytest.raises(Ended) as ended:
+        lost.controller_lost(w, pending=10, error=None)
+    assert ended.value.args == (Exit.REQUEUE,)
+    (kind, step, data), = reports
+    assert (kind, step, data["path"]) == ("checkpoint", 10, None) and "No space left" in data["error"]
+    assert not list(jobdir.lost_dir(tmp_path).glob("rank*.done"))

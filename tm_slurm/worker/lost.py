@@ -106,7 +106,14 @@ def controller_lost(w, pending: int | None, error) -> None:
     able = sorted(p.rank for p in peers if p.shard == me.shard and
                   (p.committed == k or (p.committed == k - 1 and p.pending == k)))
     if able and able[0] == w.rank:
-        ckpt.save(checkpoints.root(w.cfg, w.job_dir), k + 1, w.rank, w.topo, w.state, writer=True)
+        try:
+            ckpt.save(checkpoints.root(w.cfg, w.job_dir), k + 1, w.rank, w.topo, w.state, writer=True)
+        except Exception as e:
+            # a full disk: the next run resumes from an older checkpoint; raised, this would end
+            # only the thread that writes, and the other one stays parked for good
+            w.report("checkpoint", k + 1, reason="controller lost", path=None, save_s=0.0,
+                     error=f"{type(e).__name__}: {e}"[:300])
+            exit_clean(Exit.REQUEUE)
     fsync_write(d / f"rank{w.rank}.done", b"")
     exit_clean(Exit.REQUEUE)
 
