@@ -3,6 +3,7 @@ planned swap, a recovery, a restart, a shrink and the ending, in milliseconds, w
 injected. Process tests (tests/procs) keep the end-to-end truth; these pin the decisions."""
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -56,6 +57,9 @@ class FakeStore:
 
     def get(self, k):
         return self.d[k]
+
+    def peek(self, k):
+        return self.d.get(k)
 
     def check(self, keys):
         return all(k in self.d for k in keys)
@@ -258,7 +262,12 @@ def all_ready(port: FakePort, ep: PlannedSwap) -> None:
 
 
 def switch_at(port: FakePort, ep: PlannedSwap, step=6) -> None:
-    port.store.set(votes.switch_key(ep.plan.id), str(step))
+    """What the deciding voter of the boundary that carries the switch writes (comm/vote.py):
+    its claim on the pending switch, the commit, the switch step."""
+    plan, pk = ep.plan, votes.pending_key(ep.plan.gen_from)
+    port.store.set(pk, json.dumps({**json.loads(port.store.get(pk)), "at": step}))
+    port.store.set(votes.dkey(plan.gen_from, step), votes.Decision(True, plan.id, plan.gen_to).encode())
+    port.store.set(votes.switch_key(plan.id), str(step))
 
 
 def test_swap_from_plan_to_measured_completion():

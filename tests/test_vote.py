@@ -1,4 +1,6 @@
 """The commit vote on a real TCPStore (sealed, as the job's store is), with real threads as voters."""
+import json
+import random
 import threading
 from datetime import timedelta
 
@@ -23,8 +25,8 @@ def client(m):
                                      timeout=timedelta(seconds=10)), KEYS)
 
 
-def vote_all(m, world, gen, step, oks):
-    out, stores = [None] * world, [client(m) for _ in range(world)]   # connected before the race
+def vote_all(m, world, gen, step, oks, stores=None):
+    out, stores = [None] * world, stores or [client(m) for _ in range(world)]   # connected before the race
     ths = [threading.Thread(target=lambda i=i: out.__setitem__(i, V.vote(stores[i], gen, step, world, oks[i], 5.0, i)))
            for i in range(world)]
     for t in ths:
@@ -104,3 +106,45 @@ def test_abort_walks_past_steps_the_controller_has_not_heard_of(store):
         vote_all(store, 2, 0, step, [True, True])
     assert V.abort_in_flight(store, 0, 2, 3, "node failed") == (0, 7)
     assert not V.vote(client(store), 0, 7, 2, True, 5.0, 0).commit
+
+
+def test_a_switch_taken_back_before_its_boundary_is_not_carried(store):
+    V.set_pending(store, 2, plan_id=9, gen_to=3)
+    assert V.take_back(store, 2, 9, "swap cancelled") is None
+    got = vote_all(store, 3, 2, 11, [True] * 3)
+    assert all(d.commit and d.switch is None for d in got) and not store.check([V.switch_key(9)])
+
+
+def test_taking_back_a_claimed_switch_settles_on_the_claimed_steps_decision(store):
+    V.set_pending(store, 2, plan_id=9, gen_to=3)          # claimed and committed: it stands
+    vote_all(store, 3, 2, 11, [True] * 3)
+    assert V.take_back(store, 2, 9, "swap cancelled") == 11
+    # claimed, the decision not written yet (the decider is between its two writes): the step
+    # is aborted, and the decider's commit loses to it everywhere
+    V.set_pending(store, 4, plan_id=10, gen_to=5)
+    pk = V.pending_key(4)
+    raw = store.peek(pk)
+    store.compare_set(pk, raw, json.dumps({**json.loads(raw), "at": 20}))
+    assert V.take_back(store, 4, 10, "swap cancelled") is None
+    assert all(not d.commit for d in vote_all(store, 3, 4, 20, [True] * 3))
+
+
+def test_a_switch_taken_back_while_a_step_is_decided_is_carried_everywhere_or_nowhere(store):
+    """The controller's cancel races the vote of the boundary (real threads, real store): the
+    ranks switch exactly when take_back says the switch stands."""
+    rng, seen = random.Random(7), set()
+    ctl, voters = client(store), [client(store) for _ in range(3)]
+    for gen in range(40):
+        V.set_pending(store, gen, plan_id=gen, gen_to=gen + 1000)
+        out = []
+        t = threading.Timer(rng.uniform(0, 0.006),
+                            lambda: out.append(V.take_back(ctl, gen, gen, "swap cancelled")))
+        t.start()
+        got = vote_all(store, 3, gen, 0, [True] * 3, voters)
+        t.join()
+        assert len(set(got)) == 1, got
+        stands = out[0] == 0
+        assert all(d.switch == (gen if stands else None) for d in got), (out, got)
+        assert stands or out[0] is None
+        seen.add((stands, got[0].commit))
+    assert (True, True) in seen and (False, True) in seen    # both outcomes happened

@@ -10,14 +10,16 @@ with compare_set, so exactly one decision per (generation, step) exists and ever
 same one. Everyone else waits for the decision key, so an
 abort written by a rank that saw a failure, by the controller, or by a voter whose wait timed
 out wakes them all at once; it wins only if nobody committed first. The pending switch rides in
-the decision, so a planned swap happens at the same step boundary everywhere. Nobody applies a
-partial update: a step is applied only under a commit decision.
+the decision, so a planned swap happens at the same step boundary everywhere; the decider claims
+it on the pending key first, so that the controller taking it back (`take_back`) and the
+decision cannot disagree. Nobody applies a partial update: a step is applied only under a commit
+decision.
 
 What a healthy step costs, in store round trips: every voter an append (the store does not
 answer it) and an add, then a wait that ends when the decision is written and one read (a
 never-matching compare_set: a get is two); the deciding voter instead reads the votes (1), the
-pending switch (1) and writes the decision (1). A decider that waited for the votes themselves
-would not hear an abort.
+pending switch (1) and writes the decision (1), and at the one boundary that carries a switch
+claims it (1). A decider that waited for the votes themselves would not hear an abort.
 """
 from __future__ import annotations
 
@@ -124,13 +126,38 @@ def _decide(store, gen: int, step: int, world: int, per_node: int) -> Decision:
     pk = pending_key(gen)
     raw_p = store.peek(pk) or b""
     p = json.loads(raw_p) if raw_p else {}
+    if p.get("plan") is not None:
+        # claim the switch for this step before deciding, so that the controller's take_back
+        # and this decision agree on one outcome (a claim left by an earlier step is spent)
+        claim = json.dumps({**p, "at": step})
+        if "at" in p or store.compare_set(pk, raw_p, claim) != claim.encode():
+            p = {}                                  # taken back meanwhile: not at this boundary
     dec = Decision(True, p.get("plan"), p.get("gen"), p.get("ckpt"), bool(p.get("exit", False)))
     got = Decision.decode(store.compare_set(dkey(gen, step), "", dec.encode()))
-    if got == dec and raw_p and dec.switch is None:
-        store.compare_set(pk, raw_p.decode(), "")  # consumed, unless the controller changed it
+    if got == dec and dec.checkpoint:
+        store.compare_set(pk, raw_p, "")            # consumed, unless the controller changed it
     if got.commit and got.switch is not None:
         store.set(switch_key(got.switch), str(step))
     return got
+
+
+def take_back(store, gen: int, plan_id: int, why: str) -> int | None:
+    """Controller: withdraw the pending switch to `plan_id`. Returns the step whose commit
+    carried it, if one did (the switch stands), else None: no boundary of `gen` will. A decider
+    claims the switch for its step before it writes its decision; a claimed step is settled by
+    aborting it, which leaves a commit already written standing (a decider is one round trip
+    from writing it; an abort there costs a recovery, in a window of that round trip)."""
+    pk = pending_key(gen)
+    while True:
+        raw = store.peek(pk) or b""
+        p = json.loads(raw) if raw else {}
+        if p.get("plan") != plan_id:
+            return None
+        if "at" in p:
+            d = abort(store, gen, p["at"], why)
+            return p["at"] if d.commit and d.switch == plan_id else None
+        if store.compare_set(pk, raw, "") == b"":
+            return None
 
 
 def abort_in_flight(store, gen: int, lo: int, hi: int, why: str) -> tuple[int, int]:

@@ -138,11 +138,12 @@ class PlannedSwap(Episode):
                 self.cancel(f"joiner {f.node} failed ({f.how})")
             return False
         gen, _ = f.aborted
-        if gen == self.port.gen and self.state != S.SWITCHED:
-            self.cancel(f"{f.node} failed ({f.how})")   # unless a commit carried the switch already
-        if not self.done:
+        if self.state == S.SWITCHING or (self.state == S.PREPARING and gen == self.port.gen):
+            # unless a commit carried the switch already (the abort then followed it into the
+            # new generation): take_back says which
+            self.cancel(f"{f.node} failed ({f.how})")
+        if self.state == S.SWITCHED:
             # the switch stands: the failed node's ranks are its holdings after it
-            self.on_switched(int(self.port.store.get(votes.switch_key(self.plan.id))))
             self.record(interrupted=True)
         return False
 
@@ -217,10 +218,9 @@ class PlannedSwap(Episode):
             return
         if self.state == S.SWITCHING:
             # take the pending switch back; if a commit already carried it, the switch stands
-            p.store.set(votes.pending_key(plan.gen_from), "")
-            k = votes.switch_key(plan.id)
-            if p.store.check([k]):
-                self.on_switched(int(p.store.get(k)))
+            step = votes.take_back(p.store, plan.gen_from, plan.id, f"swap cancelled: {why}")
+            if step is not None:
+                self.on_switched(step)
                 return
         self.to(S.CANCELLED)
         p.broadcast(ToWorkers(CancelPlan(plan.id, why)))
