@@ -8,10 +8,15 @@ def test_control_plane_bench_runs_the_real_vote_and_controller():
     for k in ("vote_p50_s", "vote_p99_s", "controller_cpu_per_step_s", "store_ops_per_step", "swap_plan_s",
               "recovery_plan_s", "rss_start_mb", "rss_end_mb"):
         assert r[k] >= 0, k
+    # the bare exchange under it, as many rounds as asked, both sides' CPU
+    assert r["floor_rounds"] == 40
+    for k in ("floor_exchange_p50_s", "floor_exchange_p99_s", "floor_nodes_cpu_per_round_s",
+              "floor_central_cpu_per_round_s"):
+        assert r[k] > 0, k
     assert r["aborted_votes"] == 0 and r["nodes_failed"] == []
     # one store vote a node (set, add, wait, read; the deciding voter one more, no wait; the
     # rank-0 clean-up)
     assert 8 * 4 <= r["store_ops_per_step"] <= 8 * 4 + 8
     assert r["groups_rebuilt"]["swap"] >= 1
-    assert "vote p50 ms" in table([r])
+    assert "vote p50 ms" in table([r]) and "floor p99 ms" in table([r])
 

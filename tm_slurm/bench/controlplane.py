@@ -15,6 +15,9 @@ What is real and what is emulated (README "Control plane at scale"):
   cannot run N times over on 2 cores: it is measured on one node of R ranks and added.
 - Planning and announcing a swap and a recovery: the real planner on the N x R topology and the
   real announcement (the plan sealed and sent on every link, as the episodes do).
+- The floor (bench/floor.py): the least exchange there can be between the N nodes and one central
+  process on this machine, measured after the rest, which the vote and the controller cannot beat
+  while every node's message goes through one process.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from ..messages import Heartbeat, WorkerInfo     # plain dataclasses: no torch, no MPI
+from . import floor
 
 HOST = "127.0.0.1"
 SECRET_ENV = "TM_SLURM_BENCH_SECRET"
@@ -381,6 +385,8 @@ def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float 
     # the leaders' and the controller's (it deletes old steps' vote keys: controller/votekeys.py)
     ops = (sum(v["ops"] for v in seen.values()) + vote_keys_ops) / steps
     lp50, lp99 = statistics.median(local), _pct(local, 0.99)
+    say(f"  the floor: one bare exchange between {nodes} nodes and one process ...")
+    least = floor.measure(nodes)
     out = {
         "nodes": nodes, "ranks_per_node": rpn, "world": world, "steps": steps, "step_s": step_s,
         "layout": {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp},
@@ -413,17 +419,21 @@ def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float 
         "rss_start_mb": round(rss_start, 1), "rss_end_mb": round(rss_end, 1),
         "wall_s": round(wall, 2), "aborted_votes": aborted, "nodes_failed": failed,
         "heartbeat_interval_s": cfg.timeouts.heartbeat_interval_s,
+        **least,
     }
     return out
 
 
 def table(runs: list[dict]) -> str:
     cols = [("nodes", "nodes", "{}"), ("vote_p50_s", "vote p50 ms", "{:.2f}"), ("vote_p99_s", "p99 ms", "{:.2f}"),
+            ("floor_exchange_p99_s", "floor p99 ms", "{:.2f}"),
             ("controller_cpu_per_step_s", "ctl CPU/step ms", "{:.2f}"),
+            ("floor_central_cpu_per_round_s", "floor CPU ms", "{:.2f}"),
             ("store_ops_per_step", "store ops/step", "{:.0f}"), ("heartbeat_s", "hb us", "{:.1f}"),
             ("swap_plan_s", "swap plan ms", "{:.2f}"), ("recovery_plan_s", "recovery plan ms", "{:.2f}"),
             ("rss_start_mb", "RSS start MB", "{:.0f}"), ("rss_end_mb", "end MB", "{:.0f}")]
     scale = {"vote_p50_s": 1e3, "vote_p99_s": 1e3, "controller_cpu_per_step_s": 1e3, "heartbeat_s": 1e6,
+             "floor_exchange_p99_s": 1e3, "floor_central_cpu_per_round_s": 1e3,
              "swap_plan_s": 1e3, "recovery_plan_s": 1e3}
     lines = ["  ".join(f"{h:>{max(len(h), 6)}s}" for _, h, _ in cols)]
     for r in runs:

@@ -55,9 +55,11 @@ def plot_control_plane(results: list[dict], path: Path) -> Path:
     import matplotlib.pyplot as plt
     n = [r["nodes"] for r in results]
     panels = [
-        ("vote latency, ms", {"p50": "vote_p50_s", "p99": "vote_p99_s"}, 1e3),
+        ("vote latency, ms", {"p50": "vote_p50_s", "p99": "vote_p99_s",
+                              "floor p99 (bare exchange)": "floor_exchange_p99_s"}, 1e3),
         ("controller CPU per step, ms", {"total": "controller_cpu_per_step_s",
-                                         "store server": "store_server_cpu_per_step_s"}, 1e3),
+                                         "store server": "store_server_cpu_per_step_s",
+                                         "floor (one bare message a node)": "floor_central_cpu_per_round_s"}, 1e3),
         ("store operations per step", {"ops": "store_ops_per_step"}, 1),
         ("plan and announce, ms", {"swap": "swap_plan_s", "recovery": "recovery_plan_s"}, 1e3),
         ("controller RSS, MB", {"start": "rss_start_mb", "end": "rss_end_mb"}, 1),
@@ -65,7 +67,8 @@ def plot_control_plane(results: list[dict], path: Path) -> Path:
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
     for ax, (title, series, k) in zip(axes, panels):
         for label, key in series.items():
-            ax.plot(n, [r[key] * k for r in results], "o-", label=label)
+            if all(key in r for r in results):         # runs saved before the floor lack it
+                ax.plot(n, [r[key] * k for r in results], "o-", label=label)
         ax.set_xscale("log", base=2)
         ax.set_xticks(n, [str(x) for x in n])
         ax.set_xlabel(f"nodes (x{results[0]['ranks_per_node']} ranks)")
