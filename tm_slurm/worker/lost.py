@@ -19,7 +19,7 @@ from ..events import fsync_write
 from ..exits import Exit
 from ..messages import Checkpoint, LostState
 from . import checkpoint as ckpt
-from .rank import exit_clean
+from .rank import error_text, exit_clean
 
 
 
@@ -111,8 +111,7 @@ def controller_lost(w, pending: int | None, error) -> None:
         except Exception as e:
             # a full disk: the next run resumes from an older checkpoint; raised, this would end
             # only the thread that writes, and the other one stays parked for good
-            w.report("checkpoint", k + 1, reason="controller lost", path=None, save_s=0.0,
-                     error=f"{type(e).__name__}: {e}"[:300])
+            w.report("checkpoint", k + 1, reason="controller lost", path=None, save_s=0.0, error=error_text(e))
             exit_clean(Exit.REQUEUE)
     fsync_write(d / f"rank{w.rank}.done", b"")
     exit_clean(Exit.REQUEUE)

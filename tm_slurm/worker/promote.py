@@ -18,7 +18,7 @@ from ..exits import Exit
 from ..messages import CancelPlan, Checkpoint, Prepare, Recover, Resume, Stop, WriteCheckpoint
 from . import checkpoint as ckpt
 from . import lost, sandbox
-from .rank import BuildFn, StepFn, Worker, exit_clean, is_link
+from .rank import BuildFn, StepFn, Worker, error_text, exit_clean, is_link
 from .state import recv_state, send_state
 
 
@@ -102,7 +102,7 @@ def _join(w: Worker, msg: Prepare | Recover, build_fn: BuildFn) -> int:
     except Exception as e:
         w.reaper.drop(built.values())
         w.report("prepare_failed" if isinstance(msg, Prepare) else "recover_failed", None,
-                 plan=plan.id, error=f"{type(e).__name__}: {e}"[:300])
+                 plan=plan.id, error=error_text(e))
         raise _Again() from None
     t_groups = time.perf_counter() - t0 - t_model
     groups = sorted(g.id for g in built.values())
@@ -172,7 +172,7 @@ def recover(w: Worker, step: int, d: votes.Decision) -> int:
                         w.plan_builds(plan, joiner=False), out=built, plan_id=plan.id)
             except Exception as e:
                 w.reaper.drop(built.values())
-                w.report("recover_failed", step, plan=plan.id, error=f"{type(e).__name__}: {e}"[:300])
+                w.report("recover_failed", step, plan=plan.id, error=error_text(e))
                 plan, built = None, {}
                 continue
             faults.at("recover.build", w.node)

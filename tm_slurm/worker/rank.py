@@ -178,7 +178,7 @@ class Worker:
             self.build(self.store_client(self.T.phase1_timeout_s), mine, out=built, plan_id=plan.id)
         except Exception as e:
             self.reaper.drop(built.values())
-            self.report("prepare_failed", self.step, plan=plan.id, error=f"{type(e).__name__}: {e}"[:300])
+            self.report("prepare_failed", self.step, plan=plan.id, error=error_text(e))
             return
         if plan.id in self.inbox.cancelled:
             self.reaper.drop(built.values())
@@ -232,7 +232,7 @@ class Worker:
             path = ckpt.save(root, next_step, self.rank, self.topo, self.state, writer=writer)
         except Exception as e:            # a failed write is the checkpoint's, not the rank's
             self.report("checkpoint", next_step, reason=reason, path=None,
-                        save_s=time.perf_counter() - t0, error=f"{type(e).__name__}: {e}"[:300])
+                        save_s=time.perf_counter() - t0, error=error_text(e))
             return
         if path:
             self._written = next_step
@@ -248,9 +248,15 @@ class Worker:
             path, error = str(fut.result()), None
             self._written = step
         except Exception as e:
-            path, error = None, f"{type(e).__name__}: {e}"[:300]
+            path, error = None, error_text(e)
         self.report("checkpoint", step, reason=reason, path=path, save_s=time.perf_counter() - t0,
                     error=error, stall_s=stall)
+
+
+def error_text(e: BaseException) -> str:
+    """What a report carries of an exception: its type and message, cut to a size the event log
+    keeps on one line."""
+    return f"{type(e).__name__}: {e}"[:300]
 
 
 def exit_clean(code: int = 0) -> None:
