@@ -24,7 +24,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import resource
 import select
 import statistics
 import subprocess
@@ -37,14 +36,10 @@ from pathlib import Path
 
 from ..messages import Heartbeat, WorkerInfo     # plain dataclasses: no torch, no MPI
 from . import floor
+from .metrics import percentile, process_cpu
 
 HOST = "127.0.0.1"
 SECRET_ENV = "TM_SLURM_BENCH_SECRET"
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
 def _rss_mb() -> float:
@@ -52,11 +47,6 @@ def _rss_mb() -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def _cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 class Counted:
@@ -314,7 +304,7 @@ def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float 
             k.stdin.write("go\n")
             k.stdin.flush()
         gc_s = _GcTime(lambda: agents.beating)
-        cpu0, main0, t0 = _cpu(), time.thread_time(), time.monotonic()
+        cpu0, main0, t0 = process_cpu(), time.thread_time(), time.monotonic()
         next_beat = 0.0
         while any(k.poll() is None for k in kids):
             now = time.monotonic()
@@ -325,7 +315,7 @@ def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float 
             busy = ctl.tick()
             time.sleep(POLL_BUSY_S if busy else POLL_IDLE_S)
         wall = time.monotonic() - t0
-        cpu, main = _cpu() - cpu0 - agents.cpu, time.thread_time() - main0 - agents.cpu
+        cpu, main = process_cpu() - cpu0 - agents.cpu, time.thread_time() - main0 - agents.cpu
         gc_s.stop()
         rss_end = _rss_mb()
         if any(k.returncode for k in kids):
@@ -384,14 +374,14 @@ def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float 
     lat = lat[5:]                               # connections and caches warm up
     # the leaders' and the controller's (it deletes old steps' vote keys: controller/votekeys.py)
     ops = (sum(v["ops"] for v in seen.values()) + vote_keys_ops) / steps
-    lp50, lp99 = statistics.median(local), _pct(local, 0.99)
+    lp50, lp99 = statistics.median(local), percentile(local, 0.99)
     say(f"  the floor: one bare exchange between {nodes} nodes and one process ...")
     least = floor.measure(nodes)
     out = {
         "nodes": nodes, "ranks_per_node": rpn, "world": world, "steps": steps, "step_s": step_s,
         "layout": {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp},
-        "vote_p50_s": round(_pct(lat, 0.5) + lp50, 5), "vote_p99_s": round(_pct(lat, 0.99) + lp99, 5),
-        "store_vote_p50_s": round(_pct(lat, 0.5), 5), "store_vote_p99_s": round(_pct(lat, 0.99), 5),
+        "vote_p50_s": round(percentile(lat, 0.5) + lp50, 5), "vote_p99_s": round(percentile(lat, 0.99) + lp99, 5),
+        "store_vote_p50_s": round(percentile(lat, 0.5), 5), "store_vote_p99_s": round(percentile(lat, 0.99), 5),
         "node_local_vote_p50_s": round(lp50, 5), "node_local_vote_p99_s": round(lp99, 5),
         "arrival_skew_p50_s": round(statistics.median(skew), 5),
         # the emulated leaders' own CPU (their store clients, the vote's Python, their sleeps'

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import selectors
 import socket
 import statistics
@@ -22,13 +21,10 @@ import subprocess
 import sys
 import time
 
+from .metrics import percentile, process_cpu
+
 MSG = b"v" * 64
 WARM = 5
-
-
-def _cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def _collect(sel: selectors.BaseSelector, n: int) -> None:
@@ -63,11 +59,11 @@ def _run(nodes: int, rounds: int, pause_s: float) -> dict:
                 sel.register(s, selectors.EVENT_READ)
             cpu = []
             for _ in range(rounds):
-                c0 = _cpu()          # its waits are in select, which spends no CPU
+                c0 = process_cpu()      # its waits are in select, which spends no CPU
                 _collect(sel, nodes)
                 for s in conns:
                     s.sendall(MSG)
-                cpu.append(_cpu() - c0)
+                cpu.append(process_cpu() - c0)
             os.write(w, json.dumps(cpu).encode())
             code = 0
         finally:
@@ -81,12 +77,12 @@ def _run(nodes: int, rounds: int, pause_s: float) -> dict:
         sel.register(c, selectors.EVENT_READ)
     lat, cpu = [], []
     for _ in range(rounds):
-        t0, c0 = time.perf_counter(), _cpu()
+        t0, c0 = time.perf_counter(), process_cpu()
         for c in clients:
             c.sendall(MSG)
         _collect(sel, nodes)
         lat.append(time.perf_counter() - t0)
-        cpu.append(_cpu() - c0)
+        cpu.append(process_cpu() - c0)
         time.sleep(pause_s)
     with os.fdopen(r) as f:
         answer = f.read()
@@ -95,9 +91,8 @@ def _run(nodes: int, rounds: int, pause_s: float) -> dict:
         raise RuntimeError(f"the central process of the floor failed (wait status {status})")
     central = json.loads(answer)[WARM:]
     lat, cpu = lat[WARM:], cpu[WARM:]
-    s = sorted(lat)
     return {"floor_exchange_p50_s": round(statistics.median(lat), 5),
-            "floor_exchange_p99_s": round(s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))], 5),
+            "floor_exchange_p99_s": round(percentile(lat, 0.99), 5),
             "floor_nodes_cpu_per_round_s": round(statistics.median(cpu), 5),
             "floor_central_cpu_per_round_s": round(statistics.median(central), 5),
             "floor_rounds": len(lat)}

@@ -9,6 +9,7 @@ lost steps: committed steps that had to be done again (the in-flight step of a f
 """
 from __future__ import annotations
 
+import resource
 import statistics
 from dataclasses import dataclass
 
@@ -55,6 +56,18 @@ def downtime(steps: list[Step], t_event: float, window: int = 6,
     redone = max(0, last.step + 1 - min(s.step for s in after))
     return dt, {"steady_step_s": p, "event_step": last.step, "window_to_step": target,
                 "lost_steps": redone}
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The value at quantile q (0..1) of xs: the nearest of its own values, no interpolation."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def process_cpu() -> float:
+    """CPU seconds this process has spent, user and system, all its threads."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def summary(xs: list[float]) -> dict:

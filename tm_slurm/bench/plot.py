@@ -67,8 +67,7 @@ def plot_control_plane(results: list[dict], path: Path) -> Path:
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
     for ax, (title, series, k) in zip(axes, panels):
         for label, key in series.items():
-            if all(key in r for r in results):         # runs saved before the floor lack it
-                ax.plot(n, [r[key] * k for r in results], "o-", label=label)
+            ax.plot(n, [r[key] * k for r in results], "o-", label=label)
         ax.set_xscale("log", base=2)
         ax.set_xticks(n, [str(x) for x in n])
         ax.set_xlabel(f"nodes (x{results[0]['ranks_per_node']} ranks)")
