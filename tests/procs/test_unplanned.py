@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -161,9 +162,9 @@ def test_a_full_disk_mid_run_costs_checkpoints_not_the_job(tmp_path, reference):
     job = tmp_path / "job"
     job.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m,mode=0700", "tmpfs", str(job)], check=True)
-    filler = job / "filler"
+    filler, held = job / "filler", []
 
-    def fill(_job):
+    def take_every_page():
         # the filler, then the slack of the event log's last page (blank lines, which readers skip)
         for path, chunk in ((filler, b"\0" * (1 << 16)), (jobdir.events_file(job), b"\n" * 512)):
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -174,7 +175,20 @@ def test_a_full_disk_mid_run_costs_checkpoints_not_the_job(tmp_path, reference):
                 pass
             finally:
                 os.close(fd)
-        threading.Timer(4.0, filler.unlink).start()
+
+    def hold(until):
+        # full for the whole 4 s, as a disk that something else keeps filling: the pages a failed
+        # checkpoint frees are taken again within a millisecond, before the controller logs the
+        # failure (taken once only, they held the next events and no event was lost)
+        while time.monotonic() < until:
+            take_every_page()
+            time.sleep(0.001)
+        filler.unlink()
+
+    def fill(_job):
+        take_every_page()
+        held.append(threading.Thread(target=hold, args=(time.monotonic() + 4.0,)))
+        held[0].start()
 
     try:
         ran = run_job(tmp_path, "4+1", STEPS, [(15, fill, "-")])
@@ -184,6 +198,8 @@ def test_a_full_disk_mid_run_costs_checkpoints_not_the_job(tmp_path, reference):
                 for s in ckpt.bad_shards(d, topo) if (d / s).exists()]
         valid = ckpt.latest_valid(ran.job_dir / "checkpoints", topo)[0]
     finally:
+        for t in held:
+            t.join()
         subprocess.run(["umount", "-l", str(job)], check=False)
     assert ran.rc == 0 and ran.result["digests"] == reference(STEPS)
     assert ran.result["interruptions"] == [] and not ran.kinds("failure_detected")
