@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from .jobs import run_job
+from .stores import Served
 
 _refs: dict = {}
 
@@ -21,3 +22,11 @@ def reference(tmp_path_factory):
             _refs[key] = ran.result["digests"]
         return _refs[key]
     return get
+
+
+@pytest.fixture
+def served():
+    """The job's store, served by its own process; its clients come from `served.client()`."""
+    s = Served()
+    yield s
+    s.close()

@@ -3,13 +3,9 @@ item 4): step records are a recent window, the committed step is kept incrementa
 controller deletes a step's vote keys KEYS_KEPT steps behind a commit."""
 from __future__ import annotations
 
-from datetime import timedelta
 
-import torch.distributed as dist
 
 from tm_slurm.comm import vote as V
-from tm_slurm.comm.sealed import SealedStore
-from tm_slurm.control.auth import Keys
 from tm_slurm.controller.holders import Holders
 from tm_slurm.controller.progress import KEEP, CommittedMin, Progress, keep_for
 from tm_slurm.controller.votekeys import PER_TICK, VoteKeys
@@ -35,11 +31,6 @@ def test_step_records_are_a_window_and_the_committed_step_is_incremental():
     assert keep_for(8) == KEEP and keep_for(8192) * 8192 <= 1 << 19     # 1,024 x 8: 64 steps a rank
 
 
-def _store():
-    return SealedStore(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                     timeout=timedelta(seconds=10)), Keys.derive(b"b" * 32))
-
-
 def _run(m, keys, gen, steps, lag=3):
     """Vote `steps` in `gen` with one voter, the controller sweeping each step with a view of
     the committed step `lag` steps old (heartbeats lag)."""
@@ -48,8 +39,8 @@ def _run(m, keys, gen, steps, lag=3):
         keys.sweep(step - lag)
 
 
-def test_the_controller_deletes_vote_keys_and_the_store_stays_bounded():
-    m = _store()
+def test_the_controller_deletes_vote_keys_and_the_store_stays_bounded(served):
+    m = served.client()
     keys = VoteKeys(m, 0, 0)
     _run(m, keys, 0, range(400))
     # three keys per kept step (the votes, the count, the decision), whatever the length
@@ -75,16 +66,6 @@ def test_the_controller_deletes_vote_keys_and_the_store_stays_bounded():
     for _ in range(50):
         keys.sweep(800)
     assert keys.ops == ops + 1
-
-
-def test_a_strangers_decision_deletes_nothing():
-    m = _store()
-    keys = VoteKeys(m, 0, 0)
-    for step in range(100):
-        assert V.vote(m, 0, step, 1, True, 5.0, 0).commit
-    m.inner.set(m._k(V.dkey(0, 150)), b"forged")        # no seal: as if absent
-    assert keys.sweep(150) == 0 and m.check([V.dkey(0, 0)])
-    assert keys.sweep(99) == PER_TICK and not m.check([V.dkey(0, 0)])
 
 
 def test_progress_counts_the_ranks_that_reported_a_step():

@@ -14,9 +14,10 @@ def test_control_plane_bench_runs_the_real_vote_and_controller():
               "floor_central_cpu_per_round_s"):
         assert r[k] > 0, k
     assert r["aborted_votes"] == 0 and r["nodes_failed"] == []
-    # one store vote a node (set, add, wait, read; the deciding voter one more, no wait; the
-    # rank-0 clean-up)
-    assert 8 * 4 <= r["store_ops_per_step"] <= 8 * 4 + 8
+    # one store vote a node (append, add, a get that waits; the deciding voter reads the votes
+    # and the pending switch and writes the decision instead of waiting; the controller's
+    # clean-up of old steps' keys)
+    assert 8 * 3 <= r["store_ops_per_step"] <= 8 * 3 + 8
     assert r["groups_rebuilt"]["swap"] >= 1
     assert "vote p50 ms" in table([r]) and "floor p99 ms" in table([r])
 

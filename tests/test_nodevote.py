@@ -1,28 +1,20 @@
-"""A node's ranks vote as one (comm/nodevote.py): real gloo groups and a real TCPStore, the
+"""A node's ranks vote as one (comm/nodevote.py): real gloo groups and the job's real store, the
 workers as threads. The store holds one vote per node; a failure anywhere aborts everywhere."""
 import threading
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
 
 from tm_slurm.comm import vote as V
 from tm_slurm.comm.nodevote import NodeVote, pack, unpack
-from tm_slurm.comm.sealed import SealedStore
-from tm_slurm.control.auth import Keys
-
-KEYS = Keys.derive(b"n" * 32)
 
 
 @pytest.fixture
-def store():
-    m = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    yield SealedStore(m, KEYS)
+def store(served):
+    yield served.client()
 
 
 def client(m):
-    return SealedStore(dist.TCPStore("127.0.0.1", m.inner.port, is_master=False, wait_for_workers=False,
-                                     timeout=timedelta(seconds=10)), KEYS)
+    return m.clone()
 
 
 def workers(m, nodes, per_node, timeout_s=10.0):

@@ -1,14 +1,14 @@
 """State transfer as raw tensors between two real processes over a real gloo group."""
 import multiprocessing as mp
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
-from tm_slurm.comm.sealed import SealedStore
 from tm_slurm.control.auth import AuthError, Keys, Sealer
 from tm_slurm.messages import GroupBuild
+from tm_slurm.store.client import StoreClient
 from tm_slurm.worker.state import TrainState, digest, manifest, nbytes, recv_state, send_state
+
+from .stores import Served
 
 KEYS = Keys.derive(b"s" * 32)
 
@@ -29,8 +29,7 @@ def make(seed, warm):
 
 def _peer(rank, port, q, receiver_warm, sender_secret=b"s" * 32):
     from tm_slurm.comm.groups import build_group
-    store = SealedStore(dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                                      timeout=timedelta(seconds=30)), KEYS)
+    store = StoreClient("127.0.0.1", port, KEYS.store, 30.0)
     g = build_group(store, GroupBuild("xfer", (0, 1), "t/xfer"), rank, device=torch.device("cpu"),
                     backend="gloo", timeout=30, iface="127.0.0.1")
     if rank == 0:
@@ -54,17 +53,20 @@ def _peer(rank, port, q, receiver_warm, sender_secret=b"s" * 32):
 
 
 def _run(receiver_warm, sender_secret=b"s" * 32):
-    m = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    served = Served(KEYS.store)
     ctx = mp.get_context("fork")   # torch is already imported here: no second import
     q = ctx.Queue()
-    ps = [ctx.Process(target=_peer, args=(r, m.port, q, receiver_warm, sender_secret)) for r in (0, 1)]
+    ps = [ctx.Process(target=_peer, args=(r, served.port, q, receiver_warm, sender_secret)) for r in (0, 1)]
     for p in ps:
         p.start()
-    res = {x[0]: x for x in (q.get(timeout=120), q.get(timeout=120))}
-    for p in ps:
-        p.join(30)
-        if p.exitcode is None:
-            p.kill()
+    try:
+        res = {x[0]: x for x in (q.get(timeout=120), q.get(timeout=120))}
+    finally:
+        for p in ps:
+            p.join(30)
+            if p.exitcode is None:
+                p.kill()
+        served.close()
     return res
 
 

@@ -1,28 +1,20 @@
-"""The commit vote on a real TCPStore (sealed, as the job's store is), with real threads as voters."""
+"""The commit vote on the job's real store (tm_slurm/store/), with real threads as voters."""
 import json
 import random
 import threading
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
 
 from tm_slurm.comm import vote as V
-from tm_slurm.comm.sealed import SealedStore
-from tm_slurm.control.auth import Keys
-
-KEYS = Keys.derive(b"v" * 32)
 
 
 @pytest.fixture
-def store():
-    m = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    yield SealedStore(m, KEYS)
+def store(served):
+    yield served.client()
 
 
 def client(m):
-    return SealedStore(dist.TCPStore("127.0.0.1", m.inner.port, is_master=False, wait_for_workers=False,
-                                     timeout=timedelta(seconds=10)), KEYS)
+    return m.clone()
 
 
 def vote_all(m, world, gen, step, oks, stores=None):

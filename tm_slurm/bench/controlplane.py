@@ -2,15 +2,15 @@
 
 What is real and what is emulated (README "Control plane at scale"):
 - The controller is the real `Controller` object with its real main-loop pass (`tick`: every
-  link polled, every message opened and dispatched, liveness, pings, status.json), its real
-  TCPStore server and sealed store, in this process.
+  link polled, every message opened and dispatched, liveness, pings, status.json), in this
+  process, and its real store server (store/server.py), in its own, as a job has it.
 - The N agents are emulated in this process: each has its own MPI communicator (a duplicate of
   COMM_SELF, so MPI's per-link polling and message path are real, but the links do not cross
   machines) and sends the real sealed Heartbeat of its R workers every
   timeouts.heartbeat_interval_s, with their step records, and reads what the controller sends.
   Their CPU is measured and taken out of the controller's.
 - The vote's store part is real: N node leaders (one a node, as comm/nodevote.py has it), threads
-  in a few processes with a TCPStore client each, call comm.vote.vote every step, with the real
+  in a few processes with a store client each, call comm.vote.vote every step, with the real
   key clean-up. The node-local part (R ranks' MIN all-reduce and broadcast over loopback gloo)
   cannot run N times over on 2 cores: it is measured on one node of R ranks and added.
 - Planning and announcing a swap and a recovery: the real planner on the N x R topology and the
@@ -31,7 +31,6 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 from ..messages import Heartbeat, WorkerInfo     # plain dataclasses: no torch, no MPI
@@ -50,7 +49,7 @@ def _rss_mb() -> float:
 
 
 class Counted:
-    """A store client that counts its round trips (a TCPStore call is one each)."""
+    """A store client that counts its calls (each a round trip but `append`, which is not answered)."""
 
     def __init__(self, inner):
         self.inner, self.ops = inner, 0
@@ -72,27 +71,26 @@ class Counted:
     def check(self, *a): return self._call("check", *a)
     def wait(self, *a): return self._call("wait", *a)
     def delete_key(self, *a): return self._call("delete_key", *a)
+    def peek(self, *a): return self._call("peek", *a)
+    def pieces(self, *a): return self._call("pieces", *a)
+    def wait_get(self, *a): return self._call("wait_get", *a)
 
 
 # ---------------------------------------------------------------- the voters (their own processes)
 def voters_main(spec: dict) -> int:
     """A process of node leaders: one thread and one store client each. Prints "ready", waits for
     a line on stdin, votes `steps` steps, writes what it saw to spec["out"] as JSON."""
-    import torch.distributed as dist
-
     from ..comm import vote as votes
-    from ..comm.sealed import SealedStore
     from ..control import auth
+    from ..store.client import StoreClient
     keys = auth.Keys.derive(bytes.fromhex(os.environ[SECRET_ENV]))
     rpn, world, steps, step_s = spec["rpn"], spec["world"], spec["steps"], spec["step_s"]
     go, out, lock = threading.Event(), {}, threading.Lock()
-    stores = {n: Counted(dist.TCPStore(HOST, spec["port"], is_master=False,
-                                       timeout=timedelta(seconds=spec["timeout_s"])))
-              for n in spec["nodes"]}
+    stores = {n: Counted(StoreClient(HOST, spec["port"], keys.store, spec["timeout_s"])) for n in spec["nodes"]}
 
     def leader(node: int) -> None:
-        counted = stores[node]
-        store, rank, times, cpu = SealedStore(counted, keys), node * rpn, [], 0.0
+        store = counted = stores[node]
+        rank, times, cpu = node * rpn, [], 0.0
         go.wait()
         for step in range(steps):
             t0, c0 = time.monotonic(), time.thread_time()
@@ -127,15 +125,17 @@ def node_local(rpn: int, steps: int) -> list[float]:
     broadcast), each rank a thread here: the part of a step's vote that stays on the node."""
     if rpn == 1:
         return [0.0]
-    import torch.distributed as dist
-
     from ..comm.nodevote import NodeVote
-    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    from ..control import auth
+    from ..store import server as storeserver
+    from ..store.client import StoreClient
+    key = auth.Keys.derive(auth.new_secret()).store
+    server = storeserver.spawn(key, HOST)
     lat: list[list[float]] = [[] for _ in range(steps)]
     bar = threading.Barrier(rpn)
 
     def rank(local: int) -> None:
-        store = dist.TCPStore(HOST, server.port, is_master=False, timeout=timedelta(seconds=30))
+        store = StoreClient(HOST, server.port, key, 30.0)
         nv = NodeVote(store, "bench", local, rpn, 30.0)
         for step in range(steps):
             bar.wait()
@@ -148,6 +148,7 @@ def node_local(rpn: int, steps: int) -> list[float]:
         t.start()
     for t in ts:
         t.join()
+    server.close()
     return [max(x) for x in lat[5:]]         # the slowest rank of the node; warm-up left out
 
 
@@ -299,12 +300,13 @@ def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float 
         heap.freeze_startup()                  # as reports.on_started does when every rank started
         rss_start = _rss_mb()
         say(f"  {nodes} nodes x {rpn}: controller up ({rss_start:.0f} MB), voting {steps} steps ...")
-        raw = ctl.store.inner
+        raw, store_pid = ctl.store, ctl.store_server.proc.pid
         for k in kids:
             k.stdin.write("go\n")
             k.stdin.flush()
         gc_s = _GcTime(lambda: agents.beating)
         cpu0, main0, t0 = process_cpu(), time.thread_time(), time.monotonic()
+        store_cpu0 = process_cpu(store_pid)
         next_beat = 0.0
         while any(k.poll() is None for k in kids):
             now = time.monotonic()
@@ -316,6 +318,7 @@ def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float 
             time.sleep(POLL_BUSY_S if busy else POLL_IDLE_S)
         wall = time.monotonic() - t0
         cpu, main = process_cpu() - cpu0 - agents.cpu, time.thread_time() - main0 - agents.cpu
+        store_cpu = process_cpu(store_pid) - store_cpu0
         gc_s.stop()
         rss_end = _rss_mb()
         if any(k.returncode for k in kids):
@@ -360,6 +363,7 @@ def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float 
             if k.poll() is None:
                 k.kill()
             k.wait()
+        ctl.store_server.close()
     seen, voters_cpu = {}, 0.0
     for f in work.glob("voters*.json"):
         got = json.loads(f.read_text())
@@ -388,9 +392,10 @@ def measure(nodes: int, rpn: int, steps: int, step_s: float, heartbeat_s: float 
         # wake-ups), on the same cores as the store server: what bounds the vote's latency here
         "voters_cpu_per_step_s": round(voters_cpu / steps, 5),
         "voters_vote_cpu_per_step_s": round(sum(v["cpu_s"] for v in seen.values()) / steps, 5),
-        "controller_cpu_per_step_s": round(cpu / steps, 5),
+        # the centre: the controller's process and its store server's
+        "controller_cpu_per_step_s": round((cpu + store_cpu) / steps, 5),
         "controller_loop_cpu_per_step_s": round(main / steps, 5),
-        "store_server_cpu_per_step_s": round((cpu - main) / steps, 5),
+        "store_server_cpu_per_step_s": round(store_cpu / steps, 5),
         "heartbeat_s": round(hb_s, 7), "heartbeat_quiet_s": round(hb_quiet_s, 7),
         "heartbeat_rounds": rounds,
         "heartbeat_cpu_per_agent_s_per_s": round(hb_mean_s / cfg.timeouts.heartbeat_interval_s, 6),

@@ -9,9 +9,11 @@ lost steps: committed steps that had to be done again (the in-flight step of a f
 """
 from __future__ import annotations
 
+import os
 import resource
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -64,10 +66,14 @@ def percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def process_cpu() -> float:
-    """CPU seconds this process has spent, user and system, all its threads."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+def process_cpu(pid: int | None = None) -> float:
+    """CPU seconds this process (or `pid`, a process of the same user) has spent, user and
+    system, all its threads."""
+    if pid is None:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def summary(xs: list[float]) -> dict:

@@ -1,11 +1,11 @@
-"""The per-step commit vote and the agreed switch point, both through the controller's TCPStore.
+"""The per-step commit vote and the agreed switch point, both through the job's store (store/).
 
 Every node votes before its optimizer step (its ranks agree first: comm/nodevote.py): it appends
-its sealed vote (its rank) to the step's vote key, then adds to the shared count. The voter that
+its vote (its rank) to the step's vote key, then adds to the shared count. The voter that
 brings the count to the number of nodes decides: it reads the step's votes, one key whatever the
-number of nodes (the count cannot be sealed, a stranger who reaches the store could add to it,
-so the count only says who checks; the append and the add travel on one connection, so every
-real vote is in before its count), and the controller's pending switch, and writes the decision
+number of nodes (the count only says who checks: commit needs every node's own vote, and the
+append and the add travel on one connection, so every vote is in before its count), and the
+controller's pending switch, and writes the decision
 with compare_set, so exactly one decision per (generation, step) exists and every rank reads the
 same one. Everyone else waits for the decision key, so an
 abort written by a rank that saw a failure, by the controller, or by a voter whose wait timed
@@ -16,16 +16,14 @@ decision cannot disagree. Nobody applies a partial update: a step is applied onl
 decision.
 
 What a healthy step costs, in store round trips: every voter an append (the store does not
-answer it) and an add, then a wait that ends when the decision is written and one read (a
-never-matching compare_set: a get is two); the deciding voter instead reads the votes (1), the
-pending switch (1) and writes the decision (1), and at the one boundary that carries a switch
-claims it (1). A decider that waited for the votes themselves would not hear an abort.
+answer it) and an add, then a get that waits for the decision (1); the deciding voter instead
+reads the votes (1), the pending switch (1) and writes the decision (1), and at the one boundary
+that carries a switch claims it (1). A decider that waited for the votes themselves would not hear an abort.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import timedelta
 
 
 @dataclass(frozen=True)
@@ -83,7 +81,7 @@ _RANK = 4      # bytes of a vote: the voting rank
 
 
 def voters(store, gen: int, step: int) -> list[int]:
-    """The ranks whose sealed votes for (gen, step) are in; AuthError if one is not this job's."""
+    """The ranks whose votes for (gen, step) are in; ValueError if the key is not a run of votes."""
     return [int.from_bytes(v, "big") for v in store.pieces(vkey(gen, step), _RANK)]
 
 
@@ -110,19 +108,19 @@ def vote(store, gen: int, step: int, world: int, ok: bool, timeout: float, rank:
     if store.add(nkey(gen, step), 1) == world // per_node:
         return _decide(store, gen, step, world, per_node)
     try:
-        store.wait([dkey(gen, step)], timedelta(seconds=timeout))
+        raw = store.wait_get(dkey(gen, step), timeout)
     except Exception:
         return abort(store, gen, step, f"no decision within {timeout}s")
-    return Decision.decode(store.peek(dkey(gen, step)) or store.get(dkey(gen, step)))
+    return Decision.decode(raw)
 
 
 def _decide(store, gen: int, step: int, world: int, per_node: int) -> Decision:
     try:
-        sealed = sorted(set(voters(store, gen, step))) == list(range(0, world, per_node))
-    except Exception:       # a piece not written by this job
-        sealed = False
-    if not sealed:
-        return abort(store, gen, step, "the count reached the world without every node's sealed vote")
+        every = sorted(set(voters(store, gen, step))) == list(range(0, world, per_node))
+    except Exception:       # not a run of votes
+        every = False
+    if not every:
+        return abort(store, gen, step, "the count reached the world without every node's vote")
     pk = pending_key(gen)
     raw_p = store.peek(pk) or b""
     p = json.loads(raw_p) if raw_p else {}

@@ -3,8 +3,8 @@
 The controller draws 256 random bits at start. Agents get them through the environment of their
 launch (local: the process's own environment; Slurm: srun's, which slurmstepd keeps out of argv),
 workers through the first frame on their agent's socketpair; the secret never appears in argv,
-events, status or logs. From it come independent keys: one for control-plane frames, one for
-values in the store, and the store's key prefix.
+events, status or logs. From it come independent keys: one for control-plane frames and one that
+opens the job's store (tm_slurm/store/).
 
 A frame is HMAC-SHA256(frame key, payload) || payload, the payload JSON of (job, generation,
 sender, sequence number, body). A receiver checks the MAC before it parses anything, then the
@@ -56,13 +56,12 @@ def take_secret_from_env() -> bytes:
 class Keys:
     frame: bytes
     store: bytes
-    store_prefix: str
 
     @staticmethod
     def derive(secret: bytes) -> "Keys":
         def sub(label: bytes) -> bytes:
             return hmac.new(secret, b"tm_slurm/" + label, hashlib.sha256).digest()
-        return Keys(sub(b"frame"), sub(b"store"), sub(b"store-prefix").hex()[:32] + "/")
+        return Keys(sub(b"frame"), sub(b"store"))
 
 
 def mac(key: bytes, *parts: bytes) -> bytes:

@@ -12,20 +12,19 @@ import os
 import signal
 import time
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
-import torch.distributed as dist
 
 from .. import config as cfgmod
 from .. import checkpoints as ckpt
 from .. import jobdir
 from ..comm import vote as votes
-from ..comm.sealed import SealedStore
 from ..control import auth, codec
 from ..control import mpi as mpictl
 from ..events import EventLog
+from ..store import server as storeserver
+from ..store.client import StoreClient
 from ..exits import Exit
 from ..messages import (Aborted, AgentBye, Fence, GroupBuild, Heartbeat, Launch, Ping, Report, Shutdown,
                         Signalled, SwapPlan, WorkerExited, WorkerReport, WorkerSuspect)
@@ -231,10 +230,9 @@ class Controller:
 
     # ------------------------------------------------------------ setup
     def open_store(self) -> None:
-        server = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False,
-                               timeout=timedelta(seconds=self.T.vote_timeout_s))
-        self.store = SealedStore(server, self.keys)
-        self.store_addr = (self.store_host, server.port)
+        self.store_server = storeserver.spawn(self.keys.store, self.store_host)
+        self.store_addr = self.store_server.addr
+        self.store = StoreClient(*self.store_addr, self.keys.store, self.T.vote_timeout_s)
         self.vote_keys = VoteKeys(self.store, self.gen, self.start_step)
 
     def _open(self) -> None:
@@ -605,6 +603,8 @@ class Controller:
                 self.watcher.stop()
             self.launcher.stop_all(grace=2.0)
             self.port.close()
+            self.store.close()
+            self.store_server.close()
             self.records.close()
             if self.job.state == JobState.REQUEUED and self.cfg.slurm.requeue_on_exit and self.requeue_wanted:
                 self._requeue()

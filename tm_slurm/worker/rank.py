@@ -11,12 +11,10 @@ import socket
 import sys
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from .. import checkpoints
 from .. import config as cfgmod
@@ -26,9 +24,9 @@ from ..comm.handles import GroupTable
 from ..comm.nodevote import NodeVote
 from ..comm.torchgroup import WorldGroup
 from ..comm.torchgroup import set_rank as set_world_rank
-from ..comm.sealed import SealedStore
 from ..control.auth import Keys, Sealer
 from ..control.wire import Wire
+from ..store.client import StoreClient
 from ..messages import Assign, GroupBuild, Launch, Prepare, SwapPlan, report
 from ..topology import Topology
 from . import checkpoint as ckpt
@@ -38,11 +36,6 @@ from .state import TrainState
 
 StepFn = Callable[[Context, TrainState, int], object]
 BuildFn = Callable[[Context], TrainState]
-
-
-def store_client(addr: tuple[str, int], timeout: float, keys: Keys) -> SealedStore:
-    return SealedStore(dist.TCPStore(addr[0], addr[1], is_master=False, wait_for_workers=False,
-                                     timeout=timedelta(seconds=timeout)), keys)
 
 
 def is_link(g) -> bool:
@@ -97,9 +90,9 @@ class Worker:
             return dev
         return torch.device("cpu")
 
-    def store_client(self, timeout: float) -> SealedStore:
+    def store_client(self, timeout: float) -> StoreClient:
         """Another client of the job's store (a build that may be abandoned gets its own)."""
-        return store_client(self.launch.store, timeout, self.keys)
+        return StoreClient(*self.launch.store, self.keys.store, timeout)
 
     def transfer_sealer(self) -> Sealer:
         """Seals or opens the manifest on a transfer link (one per transfer)."""
