@@ -1,7 +1,7 @@
 """The job's store for tests: a real server process (tm_slurm/store/server.py) and its clients."""
 from __future__ import annotations
 
-from tm_slurm.store import server as storeserver
+from tm_slurm.store import process as storeserver
 from tm_slurm.store.client import StoreClient
 
 KEY = b"t" * 32

@@ -127,7 +127,7 @@ def node_local(rpn: int, steps: int) -> list[float]:
         return [0.0]
     from ..comm.nodevote import NodeVote
     from ..control import auth
-    from ..store import server as storeserver
+    from ..store import process as storeserver
     from ..store.client import StoreClient
     key = auth.Keys.derive(auth.new_secret()).store
     server = storeserver.spawn(key, HOST)

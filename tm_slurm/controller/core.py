@@ -23,7 +23,7 @@ from ..comm import vote as votes
 from ..control import auth, codec
 from ..control import mpi as mpictl
 from ..events import EventLog
-from ..store import server as storeserver
+from ..store import process as storeserver
 from ..store.client import StoreClient
 from ..exits import Exit
 from ..messages import (Aborted, AgentBye, Fence, GroupBuild, Heartbeat, Launch, Ping, Report, Shutdown,
