@@ -24,6 +24,7 @@ from .control import mpi as mpictl
 from .control.wire import Wire
 from .events import fsync_write
 from .exits import Exit
+from .osutil import raise_fd_limit
 from .messages import (Aborted, AgentBye, Announce, Assign, Beat, Challenge, Checkpoint, Fence, Heartbeat,
                        Hello, Launch, Ping, Report, Shutdown, Signalled, Stop, ToWorkers, WorkerExited,
                        WorkerInfo, WorkerReport, WorkerSuspect)
@@ -392,7 +393,7 @@ def controller_alive(status: Path, watch_s: float, sleep=time.sleep) -> bool:
 def on_sigterm(agent: Agent) -> None:
     """The first SIGTERM (Slurm's time limit or scancel, KillWait before SIGKILL) goes to the
     controller, which writes a checkpoint in that window; the workers ignore it. Later ones are
-    the same event again (hydra's mpiexec forwards the step's SIGTERM too): the agent stays until
+    the same event again (its launcher forwards the step's SIGTERM too): the agent stays until
     the controller ends it or SIGKILL comes. One before the agent was launched ends the node now."""
     if agent.launch is None:
         agent.kill_workers()
@@ -407,6 +408,7 @@ def main(job_dir: str, node: str, hb_interval: float, admit_timeout: float,
         mpictl.reexec_under_mpiexec()
     logs.setup()
     os.umask(0o077)            # what the agent writes is the job's alone; workers get the user's
+    raise_fd_limit()           # its workers inherit it
     agent = Agent(Path(job_dir), node, hb_interval, admit_timeout, controller_timeout,
                   auth.take_secret_from_env())
     signal.signal(signal.SIGTERM, lambda *_: on_sigterm(agent))

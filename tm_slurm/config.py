@@ -53,6 +53,8 @@ class Timeouts:
     reach_timeout_s: float = 5.0           # Slurm: the first node must reach the controller's address
     controller_timeout_s: float = 10.0     # agents: controller silent this long -> it is gone
     shutdown_s: float = 10.0               # clean exit before processes are killed
+    launcher_grace_s: float = 2.0          # a launcher may outlive its process this long before it
+                                           # is killed (nothing of the job waits on one)
 
     @property
     def ping_interval_s(self) -> float:

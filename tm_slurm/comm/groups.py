@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..messages import GroupBuild
+from .listeners import gloo_group
 
 
 def pick_backend(requested: str, device: torch.device) -> str:
@@ -63,15 +64,6 @@ def abort_together(groups: list[Group]) -> None:
         lead._group_end()
 
 
-def _gloo(store, build: GroupBuild, grank: int, timeout: float, threads: int, iface: str):
-    opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=iface) if iface
-                     else dist.ProcessGroupGloo.create_default_device()]
-    opts._timeout = timedelta(seconds=timeout)
-    opts._threads = threads
-    return dist.ProcessGroupGloo(store, grank, len(build.members), opts)
-
-
 def _nccl(store, build: GroupBuild, grank: int, timeout: float, device: torch.device):
     # read by each new ProcessGroupNCCL: 2 = the watchdog only aborts the failed communicator. The
     # default (3) tears the process down, so a healthy rank would die with its peer instead of
@@ -89,12 +81,18 @@ class BuildAbandoned(RuntimeError):
     """The plan a group was being built for was cancelled while this rank waited for the others."""
 
 
-def _gather(pstore, build: GroupBuild, grank: int, abandon: Callable[[], bool]) -> None:
-    """Wait until every member has arrived, giving up as soon as `abandon()` says so: a member
-    that died never arrives, and a rank blocked inside the backend's own rendezvous could not
-    take part in the next plan until the store timeout (a second failure during a recovery)."""
+def gather(pstore, build: GroupBuild, grank: int, abandon: Callable[[], bool] | None = None) -> None:
+    """Wait until every member has arrived, so that the backend opens its listener only for the
+    milliseconds its pairs take to connect, not for as long as the slowest member takes to start
+    (comm/listeners.py). With `abandon`, give up as soon as it says so: a member that died never
+    arrives, and a rank blocked inside the backend's own rendezvous could not take part in the
+    next plan until the store timeout (a second failure during a recovery). Without, one wait in
+    the store (a job's start: thousands of ranks, none polling)."""
     pstore.set(f"here/{grank}", "1")
     keys = [f"here/{i}" for i in range(len(build.members))]
+    if abandon is None:
+        pstore.wait(keys)
+        return
     end = time.monotonic() + pstore.timeout.total_seconds()
     while not pstore.check(keys):
         if abandon():
@@ -113,15 +111,14 @@ def build_group(store, build: GroupBuild, grank: int, *, device: torch.device, b
     global rank twice, the leaving and the joining copy)."""
     t0 = time.perf_counter()
     pstore = dist.PrefixStore(build.prefix, store)
-    if abandon is not None:
-        _gather(pstore, build, grank, abandon)
+    gather(pstore, build, grank, abandon)
     pg = dist.ProcessGroup(pstore, grank, len(build.members))
     if backend == "nccl":
         be = _nccl(pstore, build, grank, timeout, device)
         btype = dist.ProcessGroup.BackendType.NCCL
         pg.bound_device_id = device
     else:
-        be = _gloo(pstore, build, grank, timeout, gloo_threads, iface)
+        be = gloo_group(pstore, grank, len(build.members), iface=iface, timeout_s=timeout, threads=gloo_threads)
         btype = dist.ProcessGroup.BackendType.GLOO
     pg._set_default_backend(btype)
     be._set_sequence_number_for_group()

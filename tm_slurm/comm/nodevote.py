@@ -14,12 +14,13 @@ group's timeout is longer than the leader's longest wait for a decision, so a ma
 up on a leader that is still waiting legitimately."""
 from __future__ import annotations
 
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 
 from . import vote as votes
+from ..messages import GroupBuild
+from .groups import gather
+from .listeners import gloo_group
 
 # the decision as JSON, length-prefixed; `why` is cut to fit
 BUF = 512
@@ -48,10 +49,10 @@ class NodeVote:
         self.local, self.per_node = local, per_node
         self.pg = None
         if per_node > 1:
-            opts = dist.ProcessGroupGloo._Options()
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-            opts._timeout = timedelta(seconds=timeout_s)
-            self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"nodevote/{spawn}", store), local, per_node, opts)
+            prefix = f"nodevote/{spawn}"
+            pstore = dist.PrefixStore(prefix, store)
+            gather(pstore, GroupBuild("nodevote", tuple(range(per_node)), prefix), local)
+            self.pg = gloo_group(pstore, local, per_node, iface="127.0.0.1", timeout_s=timeout_s)
 
     def __call__(self, store, gen: int, step: int, world: int, ok: bool, timeout: float,
                  rank: int) -> votes.Decision:

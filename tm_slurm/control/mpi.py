@@ -5,9 +5,13 @@ Everything is non-blocking (isend + a posted irecv, tested): blocking receives b
 reports a dead peer, so liveness is decided by heartbeats above this layer. After a failure a
 process never calls MPI_Finalize (it can hang on the dead peer): `mpi4py.rc.finalize = False`.
 
-A process that uses Connect/Accept must be started by `mpiexec -n 1` (two singletons share the
+A process that uses Connect/Accept must be started by an `mpiexec -n 1` (two singletons share the
 same process ids and Connect fails with "groups not disjoint"); `mpiexec_argv` builds that wrapper,
-which also works inside an srun step (`-launcher fork -rmk user`: no nested Slurm launch).
+which also works inside an srun step. It is MPICH's gforker, which forks its one process and serves
+it PMI over a socketpair: hydra's mpiexec listens on every address for its proxy, and one stranger's
+connection that sent a few bytes left it blocked in a read for as long as it stayed open, the PMI
+exchange of a process starting under it with it (a job or an agent that never started, docs/design.md
+§9). gforker listens on nothing.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from ..events import fsync_write
 from .auth import MAX_FRAME, Sealer
 
 MPI_ENV = "TM_SLURM_MPIEXEC"      # set inside the wrapper so we do not wrap twice
+GFORKER = "mpiexec.gforker"
 # MPI has no file descriptor to wait on, so the controller and agents poll: every millisecond
 # while something is going on (a swap, a recovery, a start; a message in the last second), every
 # 20 ms when the job just trains (1 ms polling costs a Python process ~5% of a core, which a
@@ -51,13 +56,14 @@ def find_mpiexec() -> str:
     explicit = os.environ.get("TM_SLURM_MPIEXEC_BIN")
     if explicit:
         return explicit
-    here = Path(sys.executable).parent / "mpiexec"
+    here = Path(sys.executable).parent / GFORKER
     if here.exists():
         return str(here)
-    found = shutil.which("mpiexec")
+    found = shutil.which(GFORKER)
     if not found:
-        raise RuntimeError("mpiexec not found: install the MPI runtime (pip install 'tm-slurm[mpi]' "
-                           "gives the PyPI mpich wheel) or set TM_SLURM_MPIEXEC_BIN")
+        raise RuntimeError(f"{GFORKER} not found: install the MPI runtime (pip install 'tm-slurm[mpi]' "
+                           "gives the PyPI mpich wheel, which has it) or set TM_SLURM_MPIEXEC_BIN to an "
+                           "MPICH mpiexec that listens on no port")
     return found
 
 
@@ -66,7 +72,7 @@ def under_mpiexec() -> bool:
 
 
 def mpiexec_argv(argv: list[str]) -> list[str]:
-    return [find_mpiexec(), "-launcher", "fork", "-rmk", "user", "-n", "1", *argv]
+    return [find_mpiexec(), "-n", "1", *argv]
 
 
 def mpi_env(env: dict[str, str] | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:

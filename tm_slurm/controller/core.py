@@ -23,6 +23,7 @@ from ..comm import vote as votes
 from ..control import auth, codec
 from ..control import mpi as mpictl
 from ..events import EventLog
+from ..osutil import raise_fd_limit
 from ..store import process as storeserver
 from ..store.client import StoreClient
 from ..exits import Exit
@@ -574,6 +575,7 @@ class Controller:
                 or self.job.state in (JobState.STARTING, JobState.STOPPING))
 
     def run(self) -> int:
+        raise_fd_limit()
         self._open()
         # sbatch --signal=B:USR1@T, SIGTERM (a time limit without --signal: KillWait before
         # SIGKILL) and the first SIGINT (Ctrl-C): checkpoint at the next step boundary and end

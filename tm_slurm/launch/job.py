@@ -5,9 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
-import signal
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -20,6 +18,7 @@ from .. import jobdir
 from ..control import auth
 from ..control import mpi as mpictl
 from ..roles import JobState
+from .supervise import record_exit, supervise
 
 if TYPE_CHECKING:
     from ..slurm.address import Served
@@ -137,7 +136,7 @@ def run(cfg: cfgmod.Config, spec: JobSpec) -> int:
               f"{spec.standbys} standby), job directory {spec.job_dir}", file=sys.stderr, flush=True)
         if spec.served is not None and not reachable(cfg, spec):
             return 2
-        return supervise()
+        return supervise(spec.job_dir, cfg.timeouts.launcher_grace_s)
     from ..controller.core import Controller
     # one inductor cache for the job: a joiner that compiles finds what the others compiled
     env = {"PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
@@ -171,6 +170,7 @@ def run(cfg: cfgmod.Config, spec: JobSpec) -> int:
         print(f"tm-slurm: interrupted, resumable: continue with `tm-slurm run --resume {spec.job_dir} "
               f"...` (the same options)", file=sys.stderr, flush=True)
     sys.stdout.flush()
+    record_exit(spec.job_dir, rc)
     os._exit(rc)
 
 
@@ -196,57 +196,6 @@ def reachable(cfg: cfgmod.Config, spec: JobSpec) -> bool:
               file=sys.stderr, flush=True)
     log.close()
     return why is None
-
-
-def supervise() -> int:
-    """Run this same command as the controller, under `mpiexec -n 1` (control/mpi.py says why),
-    in a session of its own, and hand it the signals meant for the job. Ctrl-C signals the
-    terminal's whole foreground group, and mpiexec takes a second SIGINT as "abort": it would
-    SIGKILL the controller before the controller ends its agents' steps. So the terminal never
-    reaches mpiexec, and each SIGINT, SIGTERM (time limit) and SIGUSR1 (sbatch --signal) that this
-    process gets goes to the controller itself."""
-    argv = mpictl.mpiexec_argv([sys.executable, "-m", "tm_slurm", *sys.argv[1:]])
-    p = subprocess.Popen(argv, env=mpictl.mpi_env(), start_new_session=True, stdin=subprocess.DEVNULL,
-                         preexec_fn=_die_with_parent)
-
-    def forward(sig, _frame):
-        try:
-            os.kill(controller_pid(p.pid) or p.pid, sig)
-        except ProcessLookupError:
-            pass
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, forward)
-    rc = p.wait()
-    return rc if rc >= 0 else 128 - rc
-
-
-def _die_with_parent() -> None:
-    # a tm-slurm that is killed outright takes mpiexec with it, as when it was mpiexec itself
-    import ctypes
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
-
-
-def controller_pid(root: int) -> int | None:
-    """The `python -m tm_slurm` process below `root` (mpiexec -> proxy -> controller)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    todo = list(children.get(root, ()))
-    while todo:
-        pid = todo.pop()
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(bytes(1))
-        except OSError:
-            continue
-        if argv[1:3] == [b"-m", b"tm_slurm"]:
-            return pid
-        todo += children.get(pid, ())
-    return None
 
 
 def quote(cmd) -> str:

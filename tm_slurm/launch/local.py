@@ -87,17 +87,23 @@ class LocalLauncher:
         pass
 
     def stop_all(self, grace: float = 5.0) -> None:
-        for n, p in self.procs.items():
-            if p.poll() is None:
-                try:
-                    p.wait(grace)
-                except subprocess.TimeoutExpired:
-                    pass
+        # one grace for all, then every node is fenced: a grace a node would make the end of a
+        # large job wait minutes for agents that do not go
+        end = time.monotonic() + grace
+        for p in self.procs.values():
+            wait_until(p, end)
+        for n in self.procs:
             self.kill(n)
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
+        end = time.monotonic() + 5
+        for p in self.procs.values():
+            wait_until(p, end)
+
+
+def wait_until(p: subprocess.Popen, end: float) -> None:
+    try:
+        p.wait(max(0.0, end - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def fail(job_dir: Path, node: str, mode: str) -> float:

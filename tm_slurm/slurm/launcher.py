@@ -1,6 +1,6 @@
 """Agents under Slurm: each one its own step, `srun -N1 -n1 -w NODE`, so a node failure kills
-only that node's step (docs/design.md §6). Inside the step the agent is started by `mpiexec -launcher
-fork -rmk user -n 1` (a process that Connects must be an MPI world of its own; see control/mpi).
+only that node's step (docs/design.md §6). Inside the step the agent is started by `mpiexec.gforker
+-n 1` (a process that Connects must be an MPI world of its own; see control/mpi).
 
 Slurm facts this relies on (22.05, measured on the mini cluster): the srun of a step on a failed
 node returns only when the node is DOWN (~16 s) and exits 0, so its exit says nothing about
@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import shlex
 import subprocess
+import time
 from pathlib import Path
 
 from .. import jobdir
 from ..control import auth
 from ..control import mpi as mpictl
-from ..launch.local import agent_argv
+from ..launch.local import agent_argv, wait_until
 from . import backend_for, hostlist
 from .backend import SlurmError
 
@@ -148,12 +149,14 @@ class SlurmLauncher:
         for p in self.procs.values():
             if p.poll() is None:
                 p.terminate()               # srun forwards SIGTERM to its step
-        for n, p in self.procs.items():
-            try:
-                p.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.kill(n)
-                try:
-                    p.wait(5)
-                except subprocess.TimeoutExpired:
-                    pass
+        # one grace for all steps, not one each: the end of a large job must not wait for
+        # steps that do not go node by node
+        end = time.monotonic() + grace
+        for p in self.procs.values():
+            wait_until(p, end)
+        left = [n for n, p in self.procs.items() if p.poll() is None]
+        for n in left:
+            self.kill(n)
+        end = time.monotonic() + 5
+        for n in left:
+            wait_until(self.procs[n], end)

@@ -8,20 +8,12 @@ controller's interpreter lock.
 from __future__ import annotations
 
 import os
-import resource
 import selectors
 import subprocess
 import sys
 
-from ..osutil import die_with_parent
+from ..osutil import die_with_parent, raise_fd_limit
 from .server import Server
-
-
-def raise_fd_limit() -> None:
-    """Up to the hard limit: descriptors are what a flood of connections takes first."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 class Spawned:

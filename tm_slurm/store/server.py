@@ -187,8 +187,10 @@ class Server:
         conn.sock.close()
 
     def _read(self, conn: _Conn) -> None:
+        # a stranger's bytes are read no further than one past the proof: one is refused for it
+        want = wire.PROOF + 1 - len(conn.inbuf) if conn.sealer is None else 1 << 18
         try:
-            got = conn.sock.recv(1 << 18)
+            got = conn.sock.recv(want)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
