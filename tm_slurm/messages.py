@@ -77,7 +77,7 @@ class Launch:
     cwd: str
     env: tuple[tuple[str, str], ...]
     config: dict
-    store: tuple[str, int]            # TCPStore host, port
+    store: tuple[str, int]            # the job's store (store/): host, port
     groups: tuple[GroupBuild, ...]    # the current instance of every group of the job
     start_step: int = 0
     checkpoint: str | None = None     # resume every rank from this (requeued job)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-# an MPI launcher's processes: hydra's mpiexec listened on every address (control/mpi.py), and
-# gforker, which the job uses, should listen on nothing
+# an MPI launcher's processes: hydra's mpiexec listened on every address; the job's own
+# (control/pmi.py) should listen on nothing
 LAUNCHER = ("mpiexec", "mpiexec.hydra", "hydra_pmi_proxy", "mpiexec.gforke")
 
 
@@ -14,7 +14,7 @@ def role(name: str, cmdline: str) -> str:
     """Which of the job's processes: launcher, store, controller, agent or worker."""
     if name in LAUNCHER:
         return "launcher"
-    for needle, what in ((" -m tm_slurm.store.process ", "store"), (" agent ", "agent"),
+    for needle, what in ((" -m tm_slurm.control.pmi ", "launcher"), (" -m tm_slurm.store.process ", "store"), (" agent ", "agent"),
                          (" -m tm_slurm run ", "controller"), (" run ", "controller")):
         if needle in f" {cmdline} ":
             return what

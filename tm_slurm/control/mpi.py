@@ -7,16 +7,12 @@ process never calls MPI_Finalize (it can hang on the dead peer): `mpi4py.rc.fina
 
 A process that uses Connect/Accept must be started by an `mpiexec -n 1` (two singletons share the
 same process ids and Connect fails with "groups not disjoint"); `mpiexec_argv` builds that wrapper,
-which also works inside an srun step. It is MPICH's gforker, which forks its one process and serves
-it PMI over a socketpair: hydra's mpiexec listens on every address for its proxy, and one stranger's
-connection that sent a few bytes left it blocked in a read for as long as it stayed open, the PMI
-exchange of a process starting under it with it (a job or an agent that never started, docs/design.md
-§9). gforker listens on nothing.
+which also works inside an srun step: the job's own (control/pmi.py), which serves its one process
+PMI over a socketpair and listens on no port.
 """
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -28,7 +24,6 @@ from ..events import fsync_write
 from .auth import MAX_FRAME, Sealer
 
 MPI_ENV = "TM_SLURM_MPIEXEC"      # set inside the wrapper so we do not wrap twice
-GFORKER = "mpiexec.gforker"
 # MPI has no file descriptor to wait on, so the controller and agents poll: every millisecond
 # while something is going on (a swap, a recovery, a start; a message in the last second), every
 # 20 ms when the job just trains (1 ms polling costs a Python process ~5% of a core, which a
@@ -52,27 +47,12 @@ def mpi():
     return _MPI
 
 
-def find_mpiexec() -> str:
-    explicit = os.environ.get("TM_SLURM_MPIEXEC_BIN")
-    if explicit:
-        return explicit
-    here = Path(sys.executable).parent / GFORKER
-    if here.exists():
-        return str(here)
-    found = shutil.which(GFORKER)
-    if not found:
-        raise RuntimeError(f"{GFORKER} not found: install the MPI runtime (pip install 'tm-slurm[mpi]' "
-                           "gives the PyPI mpich wheel, which has it) or set TM_SLURM_MPIEXEC_BIN to an "
-                           "MPICH mpiexec that listens on no port")
-    return found
-
-
 def under_mpiexec() -> bool:
     return os.environ.get(MPI_ENV) == "1"
 
 
 def mpiexec_argv(argv: list[str]) -> list[str]:
-    return [find_mpiexec(), "-n", "1", *argv]
+    return [sys.executable, "-m", "tm_slurm.control.pmi", *argv]
 
 
 def mpi_env(env: dict[str, str] | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:

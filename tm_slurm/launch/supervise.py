@@ -4,9 +4,7 @@
 What ends `tm-slurm run` is the controller's own exit, seen on the process itself, with its exit
 code from a file it writes last: the launcher is given `timeouts.launcher_grace_s` to follow and is
 killed after it. No launcher can then keep the job's allocation (hydra's mpiexec could be held by
-anyone who connected to its port and sent a few bytes, docs/design.md §9), and a controller killed
-outright is a failure even where the launcher reports it as success (gforker exits 0 for a child
-killed by a signal)."""
+anyone who connected to its port and sent a few bytes, docs/design.md §9)."""
 from __future__ import annotations
 
 import os
@@ -92,8 +90,9 @@ class Supervised:
                   file=sys.stderr, flush=True)
             rc = None
         own = self._recorded()
-        # none recorded: the controller was killed (or its disk was full at the very end)
-        return own if own is not None else rc if rc else int(Exit.FAILED)
+        # none recorded (killed, or a full disk at the very end): the launcher's word, if it
+        # ended of itself
+        return own if own is not None else rc if rc is not None else int(Exit.FAILED)
 
     def _recorded(self) -> int | None:
         try:

@@ -1,4 +1,4 @@
-"""Which address of its own host the controller serves from (TCPStore, MPI port).
+"""Which address of its own host the controller serves from (the job's store, MPI port).
 
 The controller runs where `tm-slurm run` was typed: the batch host under sbatch, the login or
 submit host under plain salloc, an allocated node under `salloc ... srun --pty bash`. Node names
@@ -100,8 +100,8 @@ def routes(nodes: Iterable[str], run=subprocess.run,
 
 
 def check_local(address: str) -> None:
-    """Binding to an address that is not this host's fails at once; the TCPStore would instead
-    wait its whole timeout for a client connection to it."""
+    """Whether this host can serve from `address`, asked before anything starts, so the user is
+    told in one line which address to pass instead."""
     try:
         with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
             s.bind((address, 0))

@@ -1,6 +1,6 @@
 """Agents under Slurm: each one its own step, `srun -N1 -n1 -w NODE`, so a node failure kills
-only that node's step (docs/design.md §6). Inside the step the agent is started by `mpiexec.gforker
--n 1` (a process that Connects must be an MPI world of its own; see control/mpi).
+only that node's step (docs/design.md §6). Inside the step the agent is started by the job's own
+`mpiexec -n 1` (a process that Connects must be an MPI world of its own; see control/mpi, control/pmi).
 
 Slurm facts this relies on (22.05, measured on the mini cluster): the srun of a step on a failed
 node returns only when the node is DOWN (~16 s) and exits 0, so its exit says nothing about
