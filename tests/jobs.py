@@ -115,4 +115,15 @@ def story(ran: Ran, last: int = 60) -> str:
     return "\n".join(lines)
 
 
+def rss_mb(pid: int) -> float | None:
+    """A process's resident memory, None once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 NUL = bytes(1)

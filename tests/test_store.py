@@ -15,6 +15,7 @@ from tm_slurm.store import server as S
 from tm_slurm.store import wire
 from tm_slurm.store.client import StoreClient
 
+from .jobs import rss_mb
 from .stores import KEY
 
 
@@ -96,7 +97,7 @@ def test_strangers_connections_are_dropped_and_cannot_crowd_out_the_job(served):
     assert open_ == 0, f"{open_} strangers' connections still open after {S.AUTH_S + 1:.0f} s"
     for s in idle + chatty:
         s.close()
-    assert _rss_mb(served.spawned.proc.pid) < 100
+    assert rss_mb(served.spawned.proc.pid) < 100
     late.close()
 
 
@@ -167,10 +168,3 @@ def _still_open(s: socket.socket) -> bool:
         return True
     except OSError:
         return False
-
-
-def _rss_mb(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0

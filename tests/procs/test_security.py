@@ -21,7 +21,7 @@ import pytest
 from tm_slurm import jobdir
 from tm_slurm.control import mpi as mpictl
 
-from ..jobs import run_job
+from ..jobs import rss_mb, run_job
 from ..test_requests import BAD
 
 pytestmark = pytest.mark.procs
@@ -193,14 +193,6 @@ FLOOD_PER_PORT = 2000            # idle connections a port, each stranger proces
 PORTS_PER_STRANGER = 8
 
 
-def _rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 class Peaks:
@@ -219,7 +211,7 @@ class Peaks:
     def sample(self) -> None:
         from .ports import role
         for pid, (cmd, _) in _job_processes(self.job).items():
-            r = _rss_mb(int(pid))
+            r = rss_mb(int(pid))
             name = cmd.split(" ", 1)[0].rsplit("/", 1)[-1]
             key = (role(name, cmd), cmd.replace(str(self.job), "JOB"))
             if r is not None:

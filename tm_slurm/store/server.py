@@ -78,7 +78,6 @@ class Server:
         self.timers: list[tuple[float, int, _Waiter]] = []
         self._tick = itertools.count()
         self.dropped: dict[str, int] = {}
-        self.dropped_total = 0
         self._reported = clock()
 
     # ------------------------------------------------------------------ loop
@@ -168,14 +167,16 @@ class Server:
             if sock.fileno() >= 0:
                 self._send(conn, wire.MAGIC + conn.nonce)
 
+    def _unpend(self, conn: _Conn) -> None:
+        del self.pending[conn]
+        self.per_peer[conn.peer] -= 1
+        if not self.per_peer[conn.peer]:
+            del self.per_peer[conn.peer]
+
     def _drop(self, conn: _Conn, why: str) -> None:
         if conn in self.pending:
-            del self.pending[conn]
-            self.per_peer[conn.peer] -= 1
-            if not self.per_peer[conn.peer]:
-                del self.per_peer[conn.peer]
+            self._unpend(conn)
             self.dropped[conn.peer] = self.dropped.get(conn.peer, 0) + 1
-            self.dropped_total += 1
         elif why:
             self.log(f"tm-slurm store: closed the connection of {conn.peer}: {why}")
         if conn.parked is not None:
@@ -214,10 +215,7 @@ class Server:
                 proof, wire.client_proof(self.key, conn.nonce, c_nonce)):
             self._drop(conn, "refused")
             return
-        del self.pending[conn]
-        self.per_peer[conn.peer] -= 1
-        if not self.per_peer[conn.peer]:
-            del self.per_peer[conn.peer]
+        self._unpend(conn)
         conn.inbuf.clear()
         conn.sealer = wire.Sealer(wire.session_key(self.key, conn.nonce, c_nonce), b"s")
         self._send(conn, wire.server_proof(self.key, conn.nonce, c_nonce))
@@ -311,7 +309,9 @@ class Server:
         raise ValueError(f"unknown op {op}")
 
     def _put(self, key: bytes, value: bytes) -> None:
-        if len(key) > wire.MAX_KEY or len(value) > wire.MAX_VALUE:
+        if len(key) > wire.MAX_KEY:
+            raise StoreFull(f"a key of {len(key)} bytes (the cap is {wire.MAX_KEY})")
+        if len(value) > wire.MAX_VALUE:
             raise StoreFull(f"a value of {len(value)} bytes (the cap is {wire.MAX_VALUE})")
         old = self.data.get(key)
         grow = len(value) - (len(old) if old is not None else -len(key) - ENTRY_BYTES)
