@@ -91,3 +91,29 @@ def test_a_log_missing_steps_measures_to_the_next_step_it_has():
     steps = [s for s in run(80, gap_after=20, gap=0.5) if not 21 <= s.step <= 30]
     dt, d = M.downtime(steps, t_event=steps[20].wall + 0.01)
     assert d["window_to_step"] == 31 and dt == pytest.approx(0.5)
+
+
+def test_report_overhead_in_ms_of_means_and_cpu():
+    details = [{"tm_mean_s": 0.0055, "plain_mean_s": 0.005, "cpu_ms_per_step": {"store": 0.4, "controller": 0.2}},
+               {"tm_mean_s": 0.0051, "plain_mean_s": 0.005, "cpu_ms_per_step": {"store": 0.6}},
+               {"tm_mean_s": None, "plain_mean_s": 0.005, "cpu_ms_per_step": {}}]
+    out = report([], [], [], pairs=[(0.0042, 0.004), (0.0041, 0.004), (0.0050, 0.004)], details=details)
+    assert out["steady_overhead_ms"] == pytest.approx(0.2)
+    assert out["steady_overhead_ms_spread"] == [pytest.approx(0.1), pytest.approx(1.0)]
+    assert out["steady_overhead_of_means"] == pytest.approx(0.06)
+    assert out["steady_cpu_ms_per_step"] == {"controller": 0.2, "store": 0.5}
+    from tm_slurm.bench.cli import table
+    assert "ms a step" in table(out)
+
+
+def test_the_job_processes_are_told_apart():
+    from tm_slurm.bench.runs import _role
+    py = "/venv/bin/python"
+    assert _role([py, "-m", "tm_slurm", "run", "--local", "2+0", "--", py, "x/ddp_example.py"], 1, 1,
+                 "ddp_example.py") == "launcher"
+    assert _role([py, "-m", "tm_slurm", "run", "--local", "2+0", "--", py, "x/ddp_example.py"], 1, 2,
+                 "ddp_example.py") == "controller"
+    assert _role([py, "-m", "tm_slurm.control.pmi", py, "-m", "tm_slurm", "agent"], 1, 3, "ddp_example.py") == "pmi"
+    assert _role([py, "-m", "tm_slurm", "agent", "--", py, "x/ddp_example.py"], 1, 4, "ddp_example.py") == "agent"
+    assert _role([py, "-m", "tm_slurm.store.process", "127.0.0.1"], 1, 5, "ddp_example.py") == "store"
+    assert _role([py, "x/ddp_example.py", "--steps", "5"], 1, 6, "ddp_example.py") == "worker"

@@ -27,7 +27,7 @@ def test_only_dp0_writes_and_load_round_trips(tmp_path):
     assert ck.save(tmp_path, 10, 1, T, state(0)) is None       # rank 1 is dp 1
     save_all(tmp_path, 10, 0)
     d = checkpoints.step_dir(tmp_path, 10)
-    assert sorted(p.name for p in d.iterdir()) == ["pp0.tp0", "pp1.tp0"]
+    assert sorted(p.name for p in d.iterdir()) == [checkpoints.DCP_METADATA, "pp0.tp0", "pp1.tp0"]
     assert sorted(p.name for p in (d / "pp0.tp0").iterdir()) == ["__0_0.distcp", checkpoints.INDEX, checkpoints.INDEX_SUM]
     fresh = state(99)
     assert ck.load(d, 3, T, fresh) == 10                      # rank 3: stage 1

@@ -98,6 +98,7 @@ BAD_RUNS = [
     (["--set", "straggler.margin=0"], "straggler.margin must be > 0, got 0.0"),
     (["--set", "checkpoint.keep=0"], "checkpoint.keep must be >= 1, got 0"),
     (["--set", "seed=-3"], "seed must be >= 0, got -3"),
+    (["--set", "output.ranks=first"], "output.ranks must be a rank, a list of ranks"),
 ]
 
 
@@ -113,3 +114,24 @@ def test_tm_slurm_run_refuses_a_bad_value_before_anything_starts(tmp_path, monke
     rc = args.fn(args)        # what `tm-slurm run` calls, after main's faulthandler set-up
     assert rc == 2 and needle in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []          # no job directory, nothing started
+
+
+@pytest.mark.parametrize("value,ranks", [(0, "0"), ("0", "0"), ("8,0", "0,8"), ([8, 0, 0], "0,8"),
+                                         ("0 4", "0,4"), ("ALL", "all"), ("none", "none")])
+def test_output_ranks_take_a_rank_a_list_all_or_none(value, ranks):
+    cfg = C.load(None, {"layout.dp": 16, "output.ranks": value})
+    assert cfg.output.ranks == ranks and C.from_dict(C.to_dict(cfg)) == cfg
+    assert C.load(None).output.ranks == "0"          # rank 0's output by default, as torchrun
+
+
+@pytest.mark.parametrize("value", [True, -1, "x", [], "", 1.5, None, "0,a", [0, True]])
+def test_output_ranks_refuse_what_is_no_rank(value):
+    with pytest.raises(C.ConfigError, match="output.ranks must be a rank, a list of ranks"):
+        C.load(None, {"layout.dp": 16, "output.ranks": value})
+
+
+def test_output_ranks_within_the_layout():
+    with pytest.raises(C.ConfigError, match=r"output.ranks names rank 4, but the layout's ranks are 0..3"):
+        C.load(None, {"layout.dp": 4, "output.ranks": "0,4"})
+    with pytest.raises(C.ConfigError, match="unknown key.*'rank'.*valid keys: ranks"):
+        C.load(None, {"output.rank": 0})

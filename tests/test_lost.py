@@ -201,7 +201,7 @@ def test_a_survivor_whose_checkpoint_cannot_be_written_says_so_and_ends_requeuea
     monkeypatch.setattr(lost.ckpt, "save", save)
     monkeypatch.setattr(lost, "exit_clean", exit_clean)
     w = SimpleNamespace(inbox=SimpleNamespace(lost_controller="batch host lost"), job_dir=tmp_path,
-                        rank=0, node="node1", committed=9, topo=SimpleNamespace(world=1),
+                        rank=0, node="node1", committed=9, rollback=None, topo=SimpleNamespace(world=1),
                         cfg=SimpleNamespace(checkpoint=SimpleNamespace(dir=str(tmp_path / "ck"))),
                         state=None, transfer_sealer=lambda: sealer,
                         report=lambda kind, step, **data: reports.append((kind, step, data)))

@@ -28,6 +28,9 @@ def make(seed, warm):
 
 
 def _peer(rank, port, q, receiver_warm, sender_secret=b"s" * 32):
+    # a forked child must not enter the OpenMP pool its parent may have started (an earlier test's
+    # training): GNU OpenMP does not survive fork, and the child would hang in its first kernel
+    torch.set_num_threads(1)
     from tm_slurm.comm.groups import build_group
     store = StoreClient("127.0.0.1", port, KEYS.store, 30.0)
     g = build_group(store, GroupBuild("xfer", (0, 1), "t/xfer"), rank, device=torch.device("cpu"),

@@ -168,3 +168,21 @@ def _still_open(s: socket.socket) -> bool:
         return True
     except OSError:
         return False
+
+
+def test_a_pipeline_is_its_calls_in_order_in_one_round_trip(served):
+    c, other = served.client(), served.client()
+    got = c.pipeline(("set", "a", b"1"), ("append", "v", b"ab"), ("append", "v", b"cd"), ("add", "n", 2),
+                     ("peek", "v"), ("peek", "absent"), ("cas", "a", b"1", b"2"), ("delete", "a"),
+                     ("delete", "a"))
+    assert got == [None, None, None, 2, b"abcd", None, b"2", True, False]
+    t = threading.Timer(0.2, lambda: other.set("later", "here"))
+    t.start()
+    assert c.pipeline(("add", "n", 1), ("wait_get", "later", 5.0)) == [3, b"here"]
+    t.join()
+    with pytest.raises(ValueError):          # a wait holds what follows it on the link
+        c.pipeline(("wait_get", "x", 1.0), ("add", "n", 1))
+    # a refused call raises once every answer is read: the link stays in step
+    with pytest.raises(dist.DistStoreError, match="refused"):
+        c.pipeline(("add", "n", 1), ("set", "k" * (wire.MAX_KEY + 1), b"x"), ("add", "n", 1))
+    assert c.add("n", 0) == 5 and c.peek("v") == b"abcd"

@@ -90,6 +90,10 @@ def test_the_votes_of_a_step_are_one_key_of_sealed_pieces(store):
     assert sorted(V.voters(store, 0, 0)) == [0, 1, 2] and store.add(V.nkey(0, 0), 0) == 3
     V.forget(store, 0, 0)
     assert not store.check([V.vkey(0, 0)]) and not store.check([V.nkey(0, 0)]) and not store.check([V.dkey(0, 0)])
+    for step in (1, 2, 3):
+        vote_all(store, 3, 0, step, [True] * 3)
+    V.forget(store, 0, 1, count=2)                  # steps 1 and 2, in one round trip
+    assert [store.check([V.dkey(0, s)]) for s in (1, 2, 3)] == [False, False, True]
 
 
 def test_abort_walks_past_steps_the_controller_has_not_heard_of(store):
@@ -140,3 +144,47 @@ def test_a_switch_taken_back_while_a_step_is_decided_is_carried_everywhere_or_no
         assert stands or out[0] is None
         seen.add((stands, got[0].commit))
     assert (True, True) in seen and (False, True) in seen    # both outcomes happened
+
+
+def test_a_large_job_reads_the_votes_only_where_the_count_is_the_last(store, monkeypatch):
+    """Past SPECULATE_NODES voters nobody reads the votes with its own (the decider reads them
+    after its count, in one batch with the pending switch): the same decisions."""
+    monkeypatch.setattr(V, "SPECULATE_NODES", 2)
+    V.set_pending(store, 0, plan_id=4, gen_to=1)
+    got = vote_all(store, 3, 0, 0, [True] * 3)
+    assert all(d.commit and d.switch == 4 for d in got)
+    assert all(not d.commit for d in vote_all(store, 3, 1, 0, [True, False, True]))
+
+
+def test_a_store_without_batches_votes_a_call_at_a_time():
+    """torch's TCPStore (no `pipeline`): the vote and the controller's clean-up still work."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+
+    class Votes:     # TCPStore has append and compare_set; the vote's peek and wait_get on top
+        def __init__(self, s):
+            self.s = s
+
+        def __getattr__(self, name):
+            return getattr(self.s, name)
+
+        def peek(self, key):
+            return self.s.get(key) if self.s.check([key]) else None
+
+        def wait_get(self, key, timeout_s):
+            self.s.wait([key], timedelta(seconds=timeout_s))
+            return self.s.get(key)
+
+    s = Votes(tcp)
+    assert not hasattr(s.s, "pipeline")
+    got = [None, None]
+    t = threading.Thread(target=lambda: got.__setitem__(0, V.vote(s, 0, 0, 2, True, 5.0, 0)))
+    t.start()
+    got[1] = V.vote(Votes(dist.TCPStore("127.0.0.1", tcp.port, is_master=False, timeout=timedelta(seconds=5))),
+                    0, 0, 2, True, 5.0, 1)
+    t.join(10)
+    assert all(d.commit for d in got)
+    V.forget(s, 0, 0)
+    assert not tcp.check([V.vkey(0, 0)]) and not tcp.check([V.dkey(0, 0)])

@@ -19,13 +19,14 @@ from pathlib import Path
 
 from . import jobdir as paths
 from . import logs
+from . import output
 from .control import auth
 from .control import mpi as mpictl
 from .control.wire import Wire
 from .events import fsync_write
 from .exits import Exit
 from .osutil import raise_fd_limit
-from .messages import (Aborted, AgentBye, Announce, Assign, Beat, Challenge, Checkpoint, Fence, Heartbeat,
+from .messages import (Aborted, AgentBye, Announce, Assign, Beat, Challenge, Checkpoint, Crashed, Fence, Heartbeat,
                        Hello, Launch, Ping, Report, Shutdown, Signalled, Stop, ToWorkers, WorkerExited,
                        WorkerInfo, WorkerReport, WorkerSuspect)
 
@@ -36,6 +37,7 @@ class WorkerProc:
     proc: subprocess.Popen
     wire: Wire
     rank: int | None = None
+    out: output.Pipe | None = None      # its stdout and stderr
     step: int | None = None
     committed: int | None = None
     started: float = field(default_factory=time.monotonic)
@@ -66,6 +68,8 @@ class Agent:
         self.seq = 0
         self.last_ctl = time.monotonic()
         self.sigterm = 0          # SIGTERMs received; the first is passed on to the controller
+        self.streamed = output.streamed("none")     # whose lines go to the controller (Launch)
+        self.forward = output.Forwarder(node)
 
     # ------------------------------------------------------------ connect
     def connect(self) -> mpictl.Channel:
@@ -100,6 +104,7 @@ class Agent:
         self.worker_timeout = t["worker_heartbeat_timeout_s"]
         self.controller_timeout = t["controller_timeout_s"]
         self.shutdown_s = t["shutdown_s"]
+        self.streamed = output.streamed(launch.config["output"]["ranks"])
 
     def spawn(self, launch: Launch) -> None:
         """Start this node's workers (again, after a restart: the old ones are gone by then)."""
@@ -122,19 +127,25 @@ class Agent:
             a, b = socket.socketpair()
             wenv = dict(env, TM_SLURM_AGENT_FD=str(b.fileno()), TM_SLURM_NODE=self.node,
                         TM_SLURM_LOCAL=str(i), TM_SLURM_JOB_DIR=str(self.job_dir))
-            out = open(logs / f"{self.node}.w{i}.log", "ab")
+            r, out = os.pipe()     # not inheritable: the worker gets the write end as stdout only
             proc = subprocess.Popen(list(launch.command), cwd=launch.cwd, env=wenv, pass_fds=[b.fileno()],
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     umask=paths.user_umask())
             b.close()
-            out.close()
+            os.close(out)
             a.setblocking(True)
             wire = Wire(a, auth.Sealer(self.keys, self.job, self.node, peer=f"{self.node}/w{i}"))
-            w = WorkerProc(i, proc, wire, rank=launch.ranks[i] if launch.ranks else None)
+            pipe = output.Pipe(r, logs / f"{self.node}.w{i}.log", warn=self._log_failed(i))
+            w = WorkerProc(i, proc, wire, rank=launch.ranks[i] if launch.ranks else None, out=pipe)
             self.workers[i] = w
             self.sel.register(a, selectors.EVENT_READ, w)
+            self.sel.register(r, selectors.EVENT_READ, w)
             wire.send_bootstrap(self.secret + self.job.encode())
             wire.send(Assign(launch, self.node, i, spawn))
+
+    def _log_failed(self, local: int):
+        return lambda e: self.logger.warning("worker %d's log file: %s; its output is lost until "
+                                             "it can be written", local, e)
 
     def to_workers(self, payload) -> None:
         if not self.workers and self.launch is not None and self._names_us(payload):
@@ -168,9 +179,32 @@ class Agent:
         if msg.step is not None and not isinstance(msg, Aborted):
             w.step = msg.step
         self.busy_until = time.monotonic() + mpictl.BUSY_FOR_S
+        if isinstance(msg, Crashed) and msg.script_error and w.out is not None and not w.out.closed:
+            # the script's own error is printed once, by tm-slurm (the worker leaves it to this
+            # report): into the worker's log it goes after what the worker printed before it
+            self._pump(w, output.DRAIN)
+            w.out.note(msg.error)
         if any(x.progress for x in self.workers.values()):
             self.heartbeat(ch)      # progress before the report, which can be a leaving worker's last
         ch.send(WorkerReport(self.node, w.local, msg))
+
+    def _ready(self, ch, key: selectors.SelectorKey) -> None:
+        w = key.data
+        if key.fileobj is w.wire.sock:
+            self._read(ch, w)
+        else:
+            self._pump(w)
+
+    def _pump(self, w: WorkerProc, limit: int = output.CHUNK) -> None:
+        """What worker `w` printed: into its log file, and its lines on their way to the
+        controller if its rank is streamed (sent by `run`, every output.FLUSH_S)."""
+        streamed = self.streamed(w.rank)
+        lines = w.out.read(streamed, limit)
+        if lines:
+            self.forward.add(w.local, w.rank, lines)
+        if w.out.ended:        # the worker, and whatever inherited its stdout, are gone
+            self.sel.unregister(w.out.fd)
+            w.out.close()
 
     def _read(self, ch, w: WorkerProc) -> None:
         try:
@@ -201,6 +235,10 @@ class Agent:
                 self._read(ch, w)   # what it said before it went
             except Exception:
                 pass
+            if w.out is not None and not w.out.closed:
+                self._pump(w, output.DRAIN)     # and printed: its last lines, a traceback
+            for m in self.forward.ended(w.local):
+                ch.send(m)
             w.done = True
             ch.send(WorkerExited(self.node, w.local, w.proc.pid, rc, w.rank))
 
@@ -248,8 +286,10 @@ class Agent:
                     return rc
             busy = time.monotonic() < self.busy_until
             for key, _ in self.sel.select(timeout=mpictl.POLL_BUSY_S if busy else mpictl.POLL_IDLE_S):
-                self._read(ch, key.data)
+                self._ready(ch, key)
             self._reap(ch)
+            for m in self.forward.due():
+                ch.send(m)
             now = time.monotonic()
             if self.sigterm == 1:
                 self.sigterm = 2
@@ -283,7 +323,7 @@ class Agent:
             end = time.monotonic() + self.shutdown_s
             while time.monotonic() < end and any(w.proc.poll() is None for w in self.workers.values()):
                 for key, _ in self.sel.select(timeout=0.01):
-                    self._read(ch, key.data)
+                    self._ready(ch, key)
         self.kill_workers()
         for w in self.workers.values():
             w.proc.wait()
@@ -316,7 +356,9 @@ class Agent:
         self.to_workers(Checkpoint("controller lost"))
         end = time.monotonic() + self.shutdown_s * 3
         while time.monotonic() < end and any(w.proc.poll() is None for w in self.workers.values()):
-            time.sleep(0.05)
+            # their output is still read: a worker blocked on a full pipe writes no checkpoint
+            for key, _ in self.sel.select(timeout=0.05):
+                self._ready(ch, key)
         self.kill_workers()
         (d / f"agent-{self.node}.done").write_text("")
         time.sleep(1.0)                  # let the other survivors announce themselves

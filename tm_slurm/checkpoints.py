@@ -3,6 +3,10 @@ writes, whether a checkpoint is whole (every shard's index and data files match 
 the newest whole one, pruning. The controller needs only this, so it never imports DCP (0.5 s
 and ~50 MB of a process); writing and loading shards is worker/checkpoint.py's, which also
 describes the format.
+
+A step directory may also hold DCP's `.metadata` (a pickle, for torch's own tools): nothing here
+reads it, and it neither makes a checkpoint whole nor spoils one (only shard directories count);
+pruning removes it with the rest of the step.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from .topology import Topology
 _STEP = re.compile(r"^step(\d{8})$")
 _KEY = re.compile(r"^pp(\d+)\.tp(\d+)(?:\.dp(\d+))?$")
 INDEX, INDEX_SUM = "index.json", "index.sha256"
+DCP_METADATA = ".metadata"       # DCP's file name: written for torch's tools, never read by us
 _MAX_INDEX = 64 << 20            # an index is names and numbers: anything bigger is not one of ours
 
 
@@ -50,15 +55,25 @@ def sha(path: Path) -> str:
     return h.hexdigest()
 
 
-def read_index(sd: Path) -> CheckpointIndex | None:
-    """A shard's verified index (its data files' digests checked too); None if anything is off."""
+def index_of(sd: Path) -> CheckpointIndex | None:
+    """A shard's index if it matches its digest, its data files unread: that the shard's write
+    has finished, not that its data is intact (`read_index` checks that)."""
     try:
         data = (sd / INDEX).read_bytes()[:_MAX_INDEX + 1]
         if len(data) > _MAX_INDEX or hashlib.sha256(data).hexdigest() != (sd / INDEX_SUM).read_text().strip():
             return None
         ix = codec.loads(data)
-        if not isinstance(ix, CheckpointIndex) or ix.key != sd.name:
-            return None
+    except (OSError, ValueError, TypeError):
+        return None
+    return ix if isinstance(ix, CheckpointIndex) and ix.key == sd.name else None
+
+
+def read_index(sd: Path) -> CheckpointIndex | None:
+    """A shard's verified index (its data files' digests checked too); None if anything is off."""
+    ix = index_of(sd)
+    if ix is None:
+        return None
+    try:
         for f, want in ix.files.items():
             if "/" in f or f.startswith(".") or sha(sd / f) != want:
                 return None
@@ -77,19 +92,41 @@ def bad_shards(d: Path, topo: Topology) -> list[str]:
     return unusable(read_indexes(d), topo)
 
 
-def unusable(found: dict[str, CheckpointIndex | None], topo: Topology) -> list[str]:
+def gaps(found: dict[str, CheckpointIndex | None]) -> list[str]:
+    """Shards of the layout the checkpoint was written in that are missing or do not match their
+    digests (every valid one when they disagree on the layout; [] only for a whole checkpoint)."""
     good = {k: ix for k, ix in found.items() if ix is not None}
     layouts = {ix.keys for ix in good.values()}
-    if len(layouts) > 1:
-        return sorted(good)
-    expected = next(iter(layouts)) if layouts else tuple(shards(topo))
-    bad = [k for k in expected if k not in good]
+    if len(layouts) != 1:
+        return sorted(good) or sorted(found) or ["(no shard)"]
+    return [k for k in next(iter(layouts)) if k not in good]
+
+
+def unusable(found: dict[str, CheckpointIndex | None], topo: Topology) -> list[str]:
+    good = [ix for ix in found.values() if ix is not None]
+    if not good:
+        return shards(topo)
+    bad = gaps(found)
     if not bad:
-        theirs = {parts(k)[:2] for k in expected}
+        theirs = {parts(k)[:2] for k in good[0].keys}
         if theirs != {parts(k)[:2] for k in shards(topo)}:
             return [f"written with pipeline/tensor shards {sorted(theirs)}, this job has "
                     f"{sorted({parts(k)[:2] for k in shards(topo)})}"]
     return bad
+
+
+def is_step_dir(p: Path) -> bool:
+    return bool(_STEP.match(Path(p).name)) and Path(p).is_dir()
+
+
+def latest_whole(root_: Path) -> tuple[Path, dict[str, CheckpointIndex]] | None:
+    """The newest whole checkpoint under `root_` whatever layout wrote it (for reading it outside
+    a job), with its shards' verified indexes."""
+    for _, p in candidates(root_):
+        found = read_indexes(p)
+        if not gaps(found):
+            return p, found
+    return None
 
 
 def candidates(root_: Path) -> list[tuple[int, Path]]:

@@ -78,31 +78,60 @@ def cmd_demo(args) -> int:
     return main(args)
 
 
+def cmd_export(args) -> int:
+    from pathlib import Path
+    from .export import ExportError, export
+    try:
+        step, d = export(Path(args.checkpoint), Path(args.out))
+    except (ExportError, OSError, RuntimeError) as e:      # RuntimeError: torch's, e.g. no such directory
+        print(f"tm-slurm export: {e}", file=sys.stderr)
+        return Exit.FAILED
+    print(f"checkpoint of step {step} ({d}) written to {args.out}")
+    return 0
+
+
+def cmd_rehearse(args) -> int:
+    from .rehearse import main
+    try:
+        cfg = load_config(args)
+    except cfgmod.ConfigError as e:
+        print(f"tm-slurm rehearse: configuration error: {e}", file=sys.stderr)
+        return Exit.USAGE
+    return main(args, cfg)
+
+
+def add_run_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    """`run`'s options; `rehearse` takes the same ones and hands them to each of its runs."""
+    return [
+        p.add_argument("--config", help="YAML config (see sbatch/example.yaml)"),
+        p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key"),
+        p.add_argument("--local", metavar="A+K", help="no Slurm: A active + K standby nodes on this machine"),
+        p.add_argument("--standbys", type=int, help="standby nodes (default: config standby.count)"),
+        p.add_argument("--dp", type=int),
+        p.add_argument("--pp", type=int),
+        p.add_argument("--tp", type=int),
+        p.add_argument("--ranks-per-node", type=int, dest="ranks_per_node"),
+        p.add_argument("--dp-shard", type=int, dest="dp_shard", help="DP ranks that shard one copy "
+                       "of the state (FSDP2: layout.dp_shard; --dp for fully_shard over the DP group)"),
+        p.add_argument("--job-dir", help="default: ./tm_slurm_jobs/<job id>"),
+        p.add_argument("--job-id", help="default: the Slurm job id, or local-<time>"),
+        p.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT_DIR",
+                       help="start from a checkpoint: a step directory, the newest valid one of an earlier "
+                            "job (its directory or id: a new allocation continues an interrupted run), "
+                            "or, with no value, of this job (default under Slurm when "
+                            "SLURM_RESTART_COUNT > 0)"),
+        p.add_argument("--controller-address", metavar="ADDR",
+                       help="under Slurm: the address of this host the nodes reach the controller at "
+                            "(default: the source address of the route to the first other node)"),
+    ]
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tm-slurm", description=__doc__)
     sub = ap.add_subparsers(dest="verb", required=True)
 
     r = sub.add_parser("run", help="run a training job (under sbatch/salloc, or --local A+K)")
-    r.add_argument("--config", help="YAML config (see sbatch/example.yaml)")
-    r.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
-    r.add_argument("--local", metavar="A+K", help="no Slurm: A active + K standby nodes on this machine")
-    r.add_argument("--standbys", type=int, help="standby nodes (default: config standby.count)")
-    r.add_argument("--dp", type=int)
-    r.add_argument("--pp", type=int)
-    r.add_argument("--tp", type=int)
-    r.add_argument("--ranks-per-node", type=int, dest="ranks_per_node")
-    r.add_argument("--dp-shard", type=int, dest="dp_shard", help="DP ranks that shard one copy "
-                   "of the state (FSDP2: layout.dp_shard; --dp for fully_shard over the DP group)")
-    r.add_argument("--job-dir", help="default: ./tm_slurm_jobs/<job id>")
-    r.add_argument("--job-id", help="default: the Slurm job id, or local-<time>")
-    r.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT_DIR",
-                   help="start from a checkpoint: a step directory, the newest valid one of an earlier "
-                        "job (its directory or id: a new allocation continues an interrupted run), "
-                        "or, with no value, of this job (default under Slurm when "
-                        "SLURM_RESTART_COUNT > 0)")
-    r.add_argument("--controller-address", metavar="ADDR",
-                   help="under Slurm: the address of this host the nodes reach the controller at "
-                        "(default: the source address of the route to the first other node)")
+    add_run_options(r)
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
     r.set_defaults(fn=cmd_run)
 
@@ -150,6 +179,29 @@ def build_parser() -> argparse.ArgumentParser:
                    "DDP loop on tm_slurm.init(), DP=2; fsdp: a stock FSDP2 loop, 2 shards; llama: a "
                    "Llama-style decoder, HSDP 2 x 2, two ranks a node")
     m.set_defaults(fn=cmd_demo)
+
+    e = sub.add_parser("export", help="a checkpoint as one torch.save file of plain state dicts",
+                       description="Verify a checkpoint and write it as one torch.save file: {'step', "
+                       "'model', 'optimizer', 'scheduler', 'extra'}, every tensor whole (sharded ones "
+                       "assembled). 'model' has DDP's leading 'module.' (and torch.compile's '_orig_mod.') "
+                       "stripped, so the plain nn.Module takes it: model.load_state_dict(d['model']); "
+                       "'optimizer' is Optimizer.state_dict()'s form: opt.load_state_dict(d['optimizer']). "
+                       "With pipeline parallelism: {'step', 'stages': [one such dict per stage]}.")
+    e.add_argument("checkpoint", help="a step directory (step<N>), or a checkpoint root or job directory "
+                   "(its newest whole checkpoint)")
+    e.add_argument("out", help="the file to write (e.g. model.pt)")
+    e.set_defaults(fn=cmd_export)
+
+    h = sub.add_parser("rehearse", help="your script on this machine: undisturbed, with a drain, with a "
+                       "kill (each once the standbys are warm); are the final states bit-identical?",
+                       description="Runs the command three times here (--local A+K, K >= 1): node1 drained, "
+                       "nodeA killed, undisturbed; then compares the final checkpoints. --job-dir: where "
+                       "the three jobs go (default ./tm_slurm_jobs/<--job-id, or rehearse-TIME>). Exit 0: "
+                       "bit-identical; 1: a run differs; 2: usage; 3: a run failed; 4: too few steps for "
+                       "an interruption.")
+    h.set_defaults(fn=cmd_rehearse, run_options=add_run_options(h))
+    h.add_argument("--timeout", type=float, default=1800, help="seconds each run may take (default 1800)")
+    h.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
 
     from .admin import add_parsers as add_admin
     from .bench.cli import add_parser as add_bench

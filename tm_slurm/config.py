@@ -146,6 +146,17 @@ class Recovery:
     strategy: str = "swap"
 
 
+Ranks = typing.NewType("Ranks", str)     # output.ranks, as _ranks normalizes it
+
+
+@dataclass(frozen=True)
+class Output:
+    # the ranks whose stdout and stderr `tm-slurm run` prints, each line led by `[rank<r>]: `
+    # (every rank's is in <job dir>/logs/<node>.w<i>.log): a rank, a list (0,8 or [0, 8]), all
+    # or none
+    ranks: Ranks = Ranks("0")
+
+
 @dataclass(frozen=True)
 class Straggler:
     enabled: bool = False
@@ -174,6 +185,7 @@ class Config:
     slurm: Slurm = field(default_factory=Slurm)
     straggler: Straggler = field(default_factory=Straggler)
     recovery: Recovery = field(default_factory=Recovery)
+    output: Output = field(default_factory=Output)
     seed: int = 0
     job_dir: str = ""                       # default: ./tm_slurm_jobs/<job id>
 
@@ -194,6 +206,11 @@ class Config:
                 f"dp*pp*tp = {lay.world} ranks do not fill whole nodes of "
                 f"layout.ranks_per_node={lay.ranks_per_node}")
         self.timeouts.check()
+        if self.output.ranks not in ("all", "none"):
+            top = max(int(r) for r in self.output.ranks.split(","))
+            if top >= lay.world:
+                raise ConfigError(f"output.ranks names rank {top}, but the layout's ranks are "
+                                  f"0..{lay.world - 1}")
         choices = {"standby.when_exhausted": (self.standby.when_exhausted, ("wait", "shrink", "checkpoint_exit")),
                    "comm.backend": (self.comm.backend, ("auto", "gloo", "nccl")),
                    "slurm.backend": (self.slurm.backend, ("auto", "cli", "pyslurm")),
@@ -272,6 +289,8 @@ def _coerce(path: str, typ: Any, value: Any) -> Any:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(f"{path} must be a string, got {value!r}")
         return str(value)
+    if typ is Ranks:
+        return _ranks(path, value)
     if typ is tuple:
         if isinstance(value, str):
             return tuple(value.split())
@@ -279,6 +298,26 @@ def _coerce(path: str, typ: Any, value: Any) -> Any:
             raise ConfigError(f"{path} must be a list, got {value!r}")
         return tuple(str(v) for v in value)
     raise ConfigError(f"{path}: unsupported type {typ}")  # pragma: no cover - schema bug
+
+
+def _ranks(path: str, value: Any) -> str:
+    """`output.ranks` as "all", "none" or its distinct ranks in order, joined by commas."""
+    if isinstance(value, str) and value.strip().lower() in ("all", "none"):
+        return value.strip().lower()
+    items = value.replace(",", " ").split() if isinstance(value, str) else \
+        value if isinstance(value, (list, tuple)) else [value]
+    ranks = {_rank(r) for r in items}
+    if not ranks or None in ranks:
+        raise ConfigError(f"{path} must be a rank, a list of ranks (0,8 or [0, 8]), all or none; "
+                          f"got {value!r}")
+    return ",".join(map(str, sorted(ranks)))
+
+
+def _rank(value: Any) -> int | None:
+    """A rank >= 0 from an int or its digits (YAML's true is no rank); None if it is none."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if value >= 0 else None
+    return int(value) if isinstance(value, str) and value.strip().isdecimal() else None
 
 
 def _build(cls, data: Mapping[str, Any], prefix: str = ""):

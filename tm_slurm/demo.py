@@ -69,27 +69,19 @@ def example_paths() -> tuple[Path, Path]:
     return script, cfg
 
 
-class JobRun:
-    """One `tm-slurm run --local` of the example, with actions injected when a step is reached
-    (an int, once every standby is warm) or when an event first appears in the log (a str: a kind,
-    or `kind@node`)."""
+class Job:
+    """One `tm-slurm run` through the real CLI (`argv`), with actions injected when they are due
+    (`due`): [(when, verb, node)], a verb being `drain`, a `tm-slurm fail` mode, or a function of
+    the job directory."""
 
-    def __init__(self, job_dir: Path, local: str, steps: int, actions: list[tuple[int | str, str, str]],
-                 extra_args: list[str] = (), script_args: list[str] = (), config: Path | None = None,
-                 sets: list[str] = (), env: dict[str, str] | None = None, script: Path | None = None):
-        example, cfg = example_paths()
-        script = script or example
-        self.job_dir, self.actions, self.env = job_dir, list(actions), env
-        self.argv = [sys.executable, "-m", "tm_slurm", "run", "--local", local, "--config",
-                     str(config or cfg), "--job-dir", str(job_dir), *extra_args]
-        for s in sets:
-            self.argv += ["--set", s]
-        self.argv += ["--", sys.executable, str(script), "--steps", str(steps), *script_args]
+    def __init__(self, job_dir: Path, argv: list[str], actions: list[tuple[int | str, str, str]],
+                 env: dict[str, str] | None = None, reason: str = "demo: maintenance"):
+        self.job_dir, self.argv, self.actions, self.env, self.reason = job_dir, argv, list(actions), env, reason
         self.done: list[dict] = []
 
     def run(self, timeout: float) -> int:
         self.job_dir.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.job_dir.parent / f"{self.job_dir.name}.out", "w")
+        log = open(self.out_file(), "w")
         proc = self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True,
                                             env=None if self.env is None else {**os.environ, **self.env})
@@ -101,13 +93,9 @@ class JobRun:
                     self._dump_stacks()
                     proc.kill()
                     raise TimeoutError(f"job {self.job_dir} did not finish within {timeout}s")
-                if pending:
-                    step, warm = _progress(self.job_dir)
-                    at = pending[0][0]
-                    if (isinstance(at, str) and _seen(self.job_dir, at)) or (
-                            isinstance(at, int) and step is not None and step >= at and warm):
-                        _, verb, node = pending.pop(0)
-                        self._act(verb, node, step)
+                if pending and due(self.job_dir, pending[0][0]):
+                    _, verb, node = pending.pop(0)
+                    self._act(verb, node, progress(self.job_dir)[0])
                 time.sleep(0.02)
         finally:
             if proc.poll() is None:
@@ -115,6 +103,14 @@ class JobRun:
             proc.wait()
             log.close()
         return proc.returncode
+
+    def out_file(self) -> Path:
+        """The launcher's output (stdout and stderr), next to the job directory."""
+        return self.job_dir.parent / f"{self.job_dir.name}.out"
+
+    def missing(self) -> list[tuple[int | str, str, str]]:
+        """The actions the job ended before."""
+        return self.actions[len(self.done):]
 
     def _dump_stacks(self) -> None:
         """A stuck job: ask the controller for its thread stacks (into the run's .out file)."""
@@ -132,7 +128,7 @@ class JobRun:
             verb(self.job_dir)
             name = verb.__name__
         elif verb == "drain":
-            submit(self.job_dir, "drain", node, "demo: maintenance")
+            submit(self.job_dir, "drain", node, self.reason)
             name = verb
         else:
             t = fail(self.job_dir, node, verb)
@@ -152,6 +148,21 @@ class JobRun:
         return json.loads(jobdir.result_file(self.job_dir).read_text())
 
 
+class JobRun(Job):
+    """The example (or `script`), run with `--steps` and the example's config."""
+
+    def __init__(self, job_dir: Path, local: str, steps: int, actions: list[tuple[int | str, str, str]],
+                 extra_args: list[str] = (), script_args: list[str] = (), config: Path | None = None,
+                 sets: list[str] = (), env: dict[str, str] | None = None, script: Path | None = None):
+        example, cfg = example_paths()
+        argv = [sys.executable, "-m", "tm_slurm", "run", "--local", local, "--config",
+                str(config or cfg), "--job-dir", str(job_dir), *extra_args]
+        for s in sets:
+            argv += ["--set", s]
+        argv += ["--", sys.executable, str(script or example), "--steps", str(steps), *script_args]
+        super().__init__(job_dir, argv, actions, env)
+
+
 def _local_nodes(job: Path) -> dict:
     try:
         return json.loads(nodes_file(job).read_text())
@@ -159,7 +170,19 @@ def _local_nodes(job: Path) -> dict:
         return {}
 
 
-def _seen(job: Path, what: str) -> bool:
+def due(job: Path, when) -> bool:
+    """Whether an action is due: `when` is a step (reached once every standby is warm), an event
+    (`kind`, or `kind@node` for one about that node) that has appeared in the log, or a function
+    of the job directory."""
+    if callable(when):
+        return when(job)
+    if isinstance(when, str):
+        return seen(job, when)
+    step, ready = progress(job)
+    return ready and step is not None and step >= when
+
+
+def seen(job: Path, what: str) -> bool:
     """An event of kind `what`, or `kind@node` for one about that node."""
     kind, _, node = what.partition("@")
     return any(e["kind"] == kind and (not node or e["node"] == node) for e in evlog.read(jobdir.events_file(job)))
@@ -169,7 +192,7 @@ def _seen(job: Path, what: str) -> bool:
 ENDING = {s.value for s in (JobState.STOPPING, *JOB_TRANSITIONS[JobState.STOPPING])}
 
 
-def _progress(job: Path) -> tuple[int | None, bool]:
+def progress(job: Path) -> tuple[int | None, bool]:
     """(committed step, ready for an event): events are injected once standbys are warm, as they
     would be long before a maintenance drain on a real cluster, and never into a job that is
     ending (it would not act on them)."""
@@ -265,7 +288,7 @@ def main(args) -> int:
     if rc_ref != 0 or rc != 0:
         say(f"  a run failed; see {root}/*.out and the job directories")
         return 1
-    missing = actions[len(run.done):]
+    missing = run.missing()
     if missing:
         # a tour that shows no interruption is no success, however identical its digests
         say(f"  the run ended before it could {', '.join(f'{v} {n} {_when(at)}' for at, v, n in missing)}: "

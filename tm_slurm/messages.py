@@ -200,6 +200,17 @@ class Signalled:
 
 
 @dataclass(frozen=True)
+class Output:
+    """Complete lines a streamed rank printed (output.py), for the controller's stdout; `dropped`:
+    bytes of that worker's output not forwarded since its last Output (over the agent's rate)."""
+    node: str
+    local: int
+    rank: int
+    lines: tuple[str, ...]
+    dropped: int = 0
+
+
+@dataclass(frozen=True)
 class AgentBye:
     node: str
     reason: str
@@ -273,6 +284,7 @@ class StateManifest:
     opt_scalars: dict = field(default_factory=dict)     # param index -> {name: plain value}
     scheduler: dict | None = None
     extra: dict = field(default_factory=dict)
+    registered: dict = field(default_factory=dict)      # job.register(name, obj): its state_dict()
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,8 @@ def add_parser(sub) -> None:
                    "PP=2, the low-level API), fsdp (a stock FSDP2 loop) or llama (a Llama-style decoder, HSDP 2 x 2)")
     b.add_argument("--pairs", type=int, default=3, help="steady-state overhead: back-to-back runs "
                    "with and without the runtime; the median of their ratios is reported, with the spread")
+    b.add_argument("--steady", action="store_true", help="only: the --pairs steady-state runs, no "
+                   "interruption (e.g. --steady --sleep 0 --pairs 7 --steps 600: the CPU-bound short step)")
     b.add_argument("--out", help="default: ./tm_slurm_jobs/bench-<time>")
     b.add_argument("--no-plot", action="store_true")
     b.add_argument("--scaling", action="store_true", help="also: swap cost vs world size")
@@ -85,6 +87,8 @@ def main(args) -> int:
         print(json.dumps(out, indent=1) if args.json else soak_table(out))
         return 0 if out["rc"] == 0 else 1
     scenarios = args.scenarios.split(",") if not args.quick else ["planned", "unplanned"]
+    if args.steady:
+        scenarios = []
     strategies = (args.strategies or ",".join(runs.STRATEGIES)).split(",")
     bad = [s for s in scenarios if s not in runs.SCENARIOS] + [s for s in strategies if s not in runs.STRATEGIES]
     if bad:
@@ -128,20 +132,23 @@ def main(args) -> int:
                 say(f"  [{time.monotonic() - t0:6.0f}s] rep {rep + 1}/{reps} {sc:9s} {st:20s} "
                     f"downtime {s.downtime_s:7.3f}s  steps redone {s.lost_steps}")
     say(f"  steady-state overhead: {args.pairs} pairs of the same script with and without the runtime ...")
-    pairs = []
+    pairs, details = [], []
     for i in range(args.pairs):
         # each pair back to back, the order alternating: a drift of the machine lands on both
         # sides, and the median of the pairs' ratios shrugs off one disturbed run
         plain = tm = 0.0
         for who in (("plain", "tm") if i % 2 == 0 else ("tm", "plain")):
             if who == "plain":
-                plain = runs.plain_steady(root, steps, extra, ex=ex)[0]
+                plain, plain_info = runs.plain_steady(root, steps, extra, ex=ex)
             else:
-                tm = runs.runtime_steady(root, steps, extra, ex=ex)[0]
+                tm, tm_info = runs.runtime_steady(root, steps, extra, ex=ex)
         pairs.append((tm, plain))
-        say(f"  [{time.monotonic() - t0:6.0f}s] pair {i + 1}/{args.pairs}: tm_slurm {tm * 1e3:.1f} ms, "
-            f"plain {plain * 1e3:.1f} ms a step")
-    out = report(samples, scenarios, strategies, pairs)
+        details.append({"tm_s": tm, "plain_s": plain, "tm_mean_s": tm_info.get("mean_step_s"),
+                        "plain_mean_s": plain_info.get("mean_step_s"), "cpu_ms_per_step": tm_info.get("cpu_ms_per_step")})
+        say(f"  [{time.monotonic() - t0:6.0f}s] pair {i + 1}/{args.pairs}: tm_slurm {tm * 1e3:.2f} ms, "
+            f"plain {plain * 1e3:.2f} ms a step (median); runtime's processes, CPU ms a step: "
+            f"{tm_info.get('cpu_ms_per_step') or '-'}")
+    out = report(samples, scenarios, strategies, pairs, details)
     out["frames"] = frame_costs()
     out["config"] = {"example": ex.name, "layout": ex.layout, "reps": reps, "analyzed": args.analyze, "steps": steps,
                      "at_step": at, "hang_timeout_s": hang, "node": ex.drain,
@@ -152,7 +159,7 @@ def main(args) -> int:
         from .scaling import swap_scaling
         out["scaling"] = swap_scaling(root, quick=args.quick)
         (root / "bench.json").write_text(json.dumps(out, indent=1))
-    if not args.no_plot:
+    if not args.no_plot and samples:
         from .plot import plot
         out["plot"] = str(plot(out, samples, root / "bench.png"))
     if args.json:
@@ -183,8 +190,9 @@ def _control_plane(args) -> int:
     return 0
 
 
-def report(samples, scenarios, strategies, pairs: list[tuple[float, float]]) -> dict:
-    """`pairs`: (tm_slurm, plain) median step times of back-to-back steady runs."""
+def report(samples, scenarios, strategies, pairs: list[tuple[float, float]], details: list[dict] = ()) -> dict:
+    """`pairs`: (tm_slurm, plain) median step times of back-to-back steady runs; `details`: more
+    of each pair (mean step times, the runtime's CPU a step by kind of process)."""
     res: dict = {"scenarios": {}}
     for sc in scenarios:
         row = {}
@@ -219,6 +227,17 @@ def report(samples, scenarios, strategies, pairs: list[tuple[float, float]]) -> 
     res["steady_overhead_n"] = len(over)
     res["steady_step_s"] = {"tm_slurm": round(statistics.median(t for t, _ in pairs), 5),
                             "plain": round(statistics.median(p for _, p in pairs), 5)}
+    # the same in time a step: what the runtime adds does not scale with the step
+    diff = [(tm - plain) * 1e3 for tm, plain in pairs]
+    res["steady_overhead_ms"] = round(statistics.median(diff), 3)
+    res["steady_overhead_ms_spread"] = [round(min(diff), 3), round(max(diff), 3)]
+    means = [(d["tm_mean_s"], d["plain_mean_s"]) for d in details if d.get("tm_mean_s") and d.get("plain_mean_s")]
+    if means:     # a step's time can be two-modal on a few cores: the mean weighs both modes
+        res["steady_overhead_of_means"] = round(statistics.median(t / p - 1 for t, p in means), 4)
+    cpus = [d["cpu_ms_per_step"] for d in details if d.get("cpu_ms_per_step")]
+    if cpus:
+        res["steady_cpu_ms_per_step"] = {k: round(statistics.median(c[k] for c in cpus if k in c), 3)
+                                         for k in sorted({k for c in cpus for k in c})}
     return res
 
 
@@ -246,9 +265,16 @@ def table(out: dict) -> str:
     if "frames" in out:
         lines.append(frames_table(out["frames"]))
     s = out["steady_step_s"]
-    lines.append(f"steady step: tm_slurm {s['tm_slurm'] * 1e3:.1f} ms vs plain {s['plain'] * 1e3:.1f} ms: "
+    lines.append(f"steady step: tm_slurm {s['tm_slurm'] * 1e3:.2f} ms vs plain {s['plain'] * 1e3:.2f} ms: "
                  f"overhead {out['steady_overhead'] * 100:+.2f}% (median of {out['steady_overhead_n']} "
-                 f"pairs, {out['steady_overhead_spread'][0] * 100:+.2f}% to {out['steady_overhead_spread'][1] * 100:+.2f}%)")
+                 f"pairs, {out['steady_overhead_spread'][0] * 100:+.2f}% to {out['steady_overhead_spread'][1] * 100:+.2f}%), "
+                 f"{out['steady_overhead_ms']:+.3f} ms a step ({out['steady_overhead_ms_spread'][0]:+.3f} to "
+                 f"{out['steady_overhead_ms_spread'][1]:+.3f})")
+    if "steady_overhead_of_means" in out:
+        lines.append(f"  of the mean steps: {out['steady_overhead_of_means'] * 100:+.2f}% (median of the pairs)")
+    if "steady_cpu_ms_per_step" in out:
+        lines.append("  the job's processes under the runtime, CPU ms a step (median of the pairs): " +
+                     ", ".join(f"{k} {v:.3f}" for k, v in out["steady_cpu_ms_per_step"].items()))
     if "plot" in out:
         lines.append(f"plot: {out['plot']}")
     return "\n".join(lines)

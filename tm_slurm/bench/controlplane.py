@@ -49,7 +49,8 @@ def _rss_mb() -> float:
 
 
 class Counted:
-    """A store client that counts its calls (each a round trip but `append`, which is not answered)."""
+    """A store client that counts its calls (each a round trip but `append`, which is not answered,
+    and those of a `pipeline`, which share one)."""
 
     def __init__(self, inner):
         self.inner, self.ops = inner, 0
@@ -74,6 +75,10 @@ class Counted:
     def peek(self, *a): return self._call("peek", *a)
     def pieces(self, *a): return self._call("pieces", *a)
     def wait_get(self, *a): return self._call("wait_get", *a)
+
+    def pipeline(self, *calls):     # one round trip, its calls counted one by one (the store serves each)
+        self.ops += len(calls)
+        return self.inner.pipeline(*calls)
 
 
 # ---------------------------------------------------------------- the voters (their own processes)

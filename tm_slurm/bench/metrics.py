@@ -76,5 +76,27 @@ def process_cpu(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu(root: int) -> dict[int, tuple[list[str], float]]:
+    """{pid: (its argv, its CPU seconds)} of `root` and every process under it (of this user):
+    what a job's processes have spent, from /proc. A process that ends meanwhile is left out."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                kids.setdefault(int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        todo += kids.get(pid, [])
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            out[pid] = (argv, process_cpu(pid))
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
 def summary(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}

@@ -183,17 +183,82 @@ def plain_steady(root: Path, steps: int, script_args: list[str], timeout: float 
                                f"{(out / f'rank{r}.log').read_text()[-1500:]}")
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     per_step = [max(x["step_s"][i] for x in ranks) for i in range(steps)][3:]
-    return statistics.median(per_step), {"digests": {str(x["rank"]): x["digest"] for x in ranks}}
+    return statistics.median(per_step), {"digests": {str(x["rank"]): x["digest"] for x in ranks},
+                                         "mean_step_s": statistics.fmean(per_step)}
 
 
 def runtime_steady(root: Path, steps: int, script_args: list[str], timeout: float = 600,
                    ex: Example = GPT) -> tuple[float, dict]:
-    """The same script under tm-slurm (its active nodes, no interruption)."""
+    """The same script under tm-slurm (its active nodes, no interruption). Its info holds
+    `cpu_ms_per_step`: what each kind of process of the job spent a step, in the steady middle
+    of the run (`steady_cpu`)."""
     import statistics
+    import threading
     job = root / f"steady-{time.strftime('%H%M%S')}"
     r = JobRun(job, f"{ex.active}+0", steps, [], script_args=[*MODEL, *script_args],
                sets=["standby.count=0", "checkpoint.every_steps=0"], extra_args=ex.args(), script=ex.script)
+    cpu: dict = {}
+    t = threading.Thread(target=steady_cpu, args=(r, job, steps, ex, cpu), daemon=True)
+    t.start()
     if r.run(timeout) != 0:
         raise RuntimeError(f"steady run failed; see {job}")
+    t.join(5)
     # the runtime's own per-step time (compute to commit), like the plain run's
-    return statistics.median([s.dur_s for s in _steps(job)][3:]), {"digests": r.result()["digests"]}
+    durs = [s.dur_s for s in _steps(job)][3:]
+    return statistics.median(durs), {"digests": r.result()["digests"], "mean_step_s": statistics.fmean(durs),
+                                     "cpu_ms_per_step": cpu}
+
+
+def _role(argv: list[str], launcher: int, pid: int, script: str) -> str:
+    """Which of the job's processes a command line is."""
+    if pid == launcher:
+        return "launcher"
+    if len(argv) > 1 and argv[1].endswith(script):      # python script.py (the others name it later)
+        return "worker"
+    head = argv[1:4]
+    if "tm_slurm.control.pmi" in head:
+        return "pmi"
+    if "tm_slurm.store.process" in head:
+        return "store"
+    if "agent" in head:
+        return "agent"
+    return "controller" if "run" in head else "other"
+
+
+def steady_cpu(r: JobRun, job: Path, steps: int, ex: Example, out: dict) -> None:
+    """CPU milliseconds a step of each kind of the job's processes (all workers together, all
+    agents together), between the commits of steps/4 and 3*steps/4 as the steps log shows them
+    (the log lags by a heartbeat; both ends alike): a runtime's process that wakes often shows here.
+    Fills `out`; leaves it empty if the run ended first."""
+    seen = {"at": 0, "lines": 0}
+
+    def logged() -> int:          # read on from where it was: the bench shares the job's cores
+        try:
+            with open(jobdir.steps_file(job), "rb") as f:
+                f.seek(seen["at"])
+                more = f.read()
+        except OSError:
+            return 0
+        seen["at"] += len(more)
+        seen["lines"] += more.count(b"\n")
+        return seen["lines"]
+
+    def sample() -> dict[int, tuple[str, float]]:
+        return {pid: (_role(argv, r.proc.pid, pid, ex.script.name), cpu)
+                for pid, (argv, cpu) in metrics.tree_cpu(r.proc.pid).items()}
+
+    marks, got, end = (steps // 4, 3 * steps // 4), [], time.monotonic() + 60
+    while getattr(r, "proc", None) is None and time.monotonic() < end:
+        time.sleep(0.05)
+    while getattr(r, "proc", None) is not None and len(got) < 2 and r.proc.poll() is None:
+        n = logged()
+        if n >= marks[len(got)]:
+            got.append((n, sample()))
+        time.sleep(0.05)
+    if len(got) == 2 and got[1][0] > got[0][0]:
+        (n0, a), (n1, b) = got
+        by: dict[str, float] = {}
+        for pid, (role, cpu) in b.items():          # a process in both samples
+            if pid in a:
+                by[role] = by.get(role, 0.0) + cpu - a[pid][1]
+        out.update({k: round(v * 1e3 / (n1 - n0), 4) for k, v in sorted(by.items())})

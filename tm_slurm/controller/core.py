@@ -19,6 +19,7 @@ from typing import Callable
 from .. import config as cfgmod
 from .. import checkpoints as ckpt
 from .. import jobdir
+from .. import output
 from ..comm import vote as votes
 from ..control import auth, codec
 from ..control import mpi as mpictl
@@ -27,8 +28,8 @@ from ..osutil import raise_fd_limit
 from ..store import process as storeserver
 from ..store.client import StoreClient
 from ..exits import Exit
-from ..messages import (Aborted, AgentBye, Fence, GroupBuild, Heartbeat, Launch, Ping, Report, Shutdown,
-                        Signalled, SwapPlan, WorkerExited, WorkerReport, WorkerSuspect)
+from ..messages import (Aborted, AgentBye, Fence, GroupBuild, Heartbeat, Launch, Output, Ping, Report,
+                        Shutdown, Signalled, SwapPlan, WorkerExited, WorkerReport, WorkerSuspect)
 from ..planner import initial_builds, plan_planned
 from ..roles import JobState, JobStatus, NodeTable, Role
 from ..topology import Topology
@@ -70,6 +71,7 @@ class Controller:
         self.store_host = store_host
         self.on_tick = on_tick
         self.log = EventLog(jobdir.events_file(self.job_dir), job_id)
+        self.console = output.Console(jobdir.log_dir(self.job_dir))     # the ranks' output, for the user
         self.nodes = NodeTable(self.log)
         self.job = JobStatus(self.log)
         n_active = len(nodes) - standbys
@@ -293,6 +295,8 @@ class Controller:
         elif isinstance(m, WorkerReport):
             self.last_hb[node] = time.monotonic()
             self._report(node, m.local, m.report)
+        elif isinstance(m, Output):
+            self.console.show(m)
         elif isinstance(m, WorkerExited):
             self._worker_exited(m)
         elif isinstance(m, WorkerSuspect):
@@ -608,6 +612,7 @@ class Controller:
             self.store.close()
             self.store_server.close()
             self.records.close()
+            self.console.close()
             if self.job.state == JobState.REQUEUED and self.cfg.slurm.requeue_on_exit and self.requeue_wanted:
                 self._requeue()
         return self.exit_code

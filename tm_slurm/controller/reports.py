@@ -59,6 +59,7 @@ def on_crashed(ctl, node: str, local: int, rep: Crashed) -> None:
     ctl.log.emit("worker_crashed", node=node, rank=rep.rank, error=rep.error[-1500:],
                  script_error=rep.script_error)
     if rep.script_error:      # a standby or a requeued run would fail the same way: not a node's fault
+        ctl.console.script_error(node, rep.rank, rep.step, rep.error)
         last = rep.error.strip().splitlines()[-1] if rep.error.strip() else "?"
         ctl.stop(f"the training script is at fault, not {node}: {last}", JobState.FAILED, code=Exit.FAILED)
 

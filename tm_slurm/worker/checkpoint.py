@@ -8,12 +8,30 @@ torch.distributed.checkpoint (DCP) and no collectives (`no_dist`: a shard is one
 whatever state the job's groups are in):
   __0_0.distcp   DCP's data file (each tensor torch.save'd; read back weights_only)
   index.json     a `CheckpointIndex`: DCP's metadata for this shard (each tensor's global shape and
-                 the piece held here), the non-tensor state, each data file's sha256
+                 the piece held here), the non-tensor state (the optimizer's param groups with
+                 their parameters' numbers, `params`, as Optimizer.state_dict() has them), each
+                 data file's sha256
   index.sha256   the index's digest, written last
-DCP's own metadata file is a pickle and is never written: the index is the control plane's JSON
-codec, so nothing read back from the job's directory is unpickled. A checkpoint is valid only if
-every shard of the layout it was written in is present and matches its digests, so a partial or
-corrupt one is detected and an older one used (tm_slurm/checkpoints.py reads and checks them).
+Tensor names: `model.<state_dict key>` and `opt.<i>.<state key>` (the i-th parameter in
+param_groups order). The index is the control plane's JSON codec, so nothing the runtime reads
+back from the job's directory is unpickled. A checkpoint is valid only if every shard of the layout
+it was written in is present and matches its digests, so a partial or corrupt one is detected and
+an older one used (tm_slurm/checkpoints.py reads and checks them).
+
+For torch's own tools (`dcp.load(sd, checkpoint_id=step_dir)`, `dcp_to_torch_save`), a whole
+checkpoint's step directory also gets DCP's `.metadata` (a pickle: written here, never read here;
+a checkpoint is whole or not by its indexes alone). It is the indexes merged as a load merges
+them, storage paths `<key>/<file>`: each tensor whole, assembled from the DP shard positions'
+pieces, the lowest position's taken where pieces coincide. Names are the index's, prefixed
+`pp<k>.` when there are several pipeline stages (each stage has its own `model.*` and `opt.<i>.*`).
+With tp > 1 none is written: a plain (non-DTensor) tensor may be a different slice under one name
+on each tp shard (hand-rolled TP), which the indexes cannot tell from a replicated one;
+`tm-slurm export` (tm_slurm/export.py) reads such a checkpoint, refusing it where copies differ.
+The shard writers do not coordinate: the one that finds, after writing its own, every shard's
+index written (their digests checked, not their data's) writes it (tmp file, fsync, rename; racing
+writers write the same bytes), and a shard being rewritten removes it first. Best effort: where a
+writer cannot see the others' shards yet (a shared filesystem's caching) or cannot write it, there
+is none, and `tm-slurm export` still reads the checkpoint.
 
 Loading merges the indexes of every shard of the rank's pipeline stage into one DCP metadata and
 lets DCP's planner read each sharded tensor's part (a DTensor: FSDP2, HSDP, TP) from whichever
@@ -26,10 +44,14 @@ written by a thread while training goes on (`Writer`); one is in flight at most.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import os
+import pickle
 import shutil
+import tempfile
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,22 +60,27 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.filesystem import (CURRENT_DCP_VERSION, FileSystemReader, FileSystemWriter,
+                                                     _StorageInfo)
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
 from .. import jobdir
-from ..checkpoints import (INDEX, INDEX_SUM, parts, read_indexes, sha, shard_name, shards, step_dir,
-                           unusable)
+from ..checkpoints import (DCP_METADATA, INDEX, INDEX_SUM, index_of, parts, read_indexes, sha, shard_name,
+                           shards, step_dir, unusable)
 from ..control import codec
 from ..events import fsync_write
-from ..messages import CheckpointIndex
+from ..messages import CheckpointIndex, StateManifest
 from ..topology import Topology
 from . import state as st
 from .state import TrainState
 
+# every shard is one rank's write without collectives (no_dist), which DCP warns about on each
+# save and load: on the user's terminal (rank 0's output is streamed there) it is only noise
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
 
 
 # ---------------------------------------------------------------- writing
@@ -80,7 +107,25 @@ def stage(state: TrainState, step: int, key: str, keys: list[str], copy: bool) -
         local = local.detach()
         local = local.to("cpu", copy=True) if copy else local.cpu()
         pieces.append((n, local.contiguous(), torch.Size(t.shape), torch.Size(off)))
-    return Staged(step, key, tuple(keys), pieces, st.manifest(state, step))
+    return Staged(step, key, tuple(keys), pieces, _numbered(state, st.manifest(state, step)))
+
+
+def _numbered(state: TrainState, m: StateManifest) -> StateManifest:
+    """The manifest with each param group's parameter numbers: a transfer has the optimizer to
+    group them, an export of the checkpoint has not."""
+    if state.optimizer is None:
+        return m
+    groups, i = [], 0
+    for g, saved in zip(state.optimizer.param_groups, m.param_groups):
+        groups.append({**saved, "params": list(range(i, i + len(g["params"])))})
+        i += len(g["params"])
+    return dataclasses.replace(m, param_groups=tuple(groups))
+
+
+def _unnumbered(m: StateManifest) -> StateManifest:
+    """What a loading optimizer's groups take: their own parameters stay theirs."""
+    return dataclasses.replace(m, param_groups=tuple({k: v for k, v in g.items() if k != "params"}
+                                                     for g in m.param_groups))
 
 
 class _SavePlanner(DefaultSavePlanner):
@@ -134,6 +179,7 @@ def write(root_: Path, s: Staged) -> Path:
     """Write a staged shard; on failure (a full disk) nothing of it is left behind."""
     d = step_dir(root_, s.step)
     jobdir.private_dir(d)
+    (d / DCP_METADATA).unlink(missing_ok=True)     # it would describe the shard being replaced
     sd = d / s.key
     shutil.rmtree(sd, ignore_errors=True)            # an earlier attempt's leftovers
     jobdir.private_dir(sd)
@@ -163,7 +209,50 @@ def write(root_: Path, s: Staged) -> Path:
         if isinstance(e, RuntimeError) and _no_room(root_, s):
             raise OSError(errno.ENOSPC, f"writing checkpoint shard {sd}: No space left on device ({e})") from None
         raise
+    _publish(d, s)
     return d
+
+
+def _publish(d: Path, s: Staged) -> None:
+    """Write the step's `.metadata` if this shard was the last of the layout to be written. A
+    convenience for torch's tools: whatever fails here (a full disk), the shard is written and the
+    checkpoint whole without it."""
+    if any(parts(k)[1] for k in s.keys):
+        return                                        # tp > 1: none (see above)
+    tmp = None
+    try:
+        if not all((d / k / INDEX_SUM).exists() for k in s.keys):
+            return                                    # not the last: cheap stats first
+        found = {k: index_of(d / k) for k in s.keys}
+        if any(ix is None or ix.step != s.step or ix.keys != s.keys for ix in found.values()):
+            return
+        fd, tmp = tempfile.mkstemp(prefix=DCP_METADATA + ".", suffix=".tmp", dir=d)
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(dcp_metadata(found), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, d / DCP_METADATA)
+    except Exception:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def stage_prefix(key: str, keys: tuple[str, ...]) -> str:
+    """What a tensor's name is prefixed with outside its shard: its pipeline stage, when the
+    layout has several (each stage has its own `model.*` and `opt.<i>.*`)."""
+    return f"pp{parts(key)[0]}." if any(parts(k)[0] for k in keys) else ""
+
+
+def dcp_metadata(found: dict[str, CheckpointIndex]) -> Metadata:
+    """DCP's metadata for a whole checkpoint's step directory (one of tp == 1): each stage's
+    shards merged as a load merges them, names prefixed by `stage_prefix`."""
+    out = Metadata({}, storage_data={}, version=CURRENT_DCP_VERSION)
+    for pp in sorted({parts(k)[0] for k in found}):
+        order = sorted((ix for k, ix in found.items() if parts(k)[0] == pp), key=lambda ix: parts(ix.key))
+        md = _merge(order, stage_prefix(order[0].key, order[0].keys))
+        out.state_dict_metadata.update(md.state_dict_metadata)
+        out.storage_data.update(md.storage_data)
+    return out
 
 
 def _no_room(root_: Path, s: Staged) -> bool:
@@ -225,12 +314,13 @@ class _LoadPlanner(DefaultLoadPlanner):
         raise ValueError(f"checkpoint entry {read_item.dest_index.fqn} is not a tensor")
 
 
-def _merge(order: list[CheckpointIndex]) -> Metadata:
+def _merge(order: list[CheckpointIndex], prefix: str = "") -> Metadata:
     """One DCP metadata over several shards: each tensor's pieces from all of them, the first
     shard in `order` winning where pieces coincide or a plain tensor's shape differs."""
     md, storage = {}, {}
     for ix in order:
         for n, (size, dtype, chunks) in ix.tensors.items():
+            n = prefix + n
             size = torch.Size(size)
             cur = md.get(n)
             if cur is None:
@@ -268,5 +358,22 @@ def load(d: Path, rank: int, topo: Topology, state: TrainState) -> int:
         raise RuntimeError(f"checkpoint {d} does not match this rank's state (name, global shape): {diff}")
     _dcp(dcp.load, f"reading checkpoint {d}", target, storage_reader=_Reader(d, md), planner=_LoadPlanner(),
          no_dist=True)
-    st.apply_plain(state, order[0].state)
+    st.apply_plain(state, _unnumbered(order[0].state))
     return order[0].step
+
+
+def read_shard(d: Path, ix: CheckpointIndex) -> list[tuple[str, torch.Size, torch.Tensor]]:
+    """Every piece a shard (of the checkpoint in `d`, index verified) holds, as it was written:
+    (name, offsets in the global tensor, piece), what an export assembles global tensors from."""
+    md, storage, target, where = {}, {}, {}, {}
+    for n, (_, dtype, chunks) in ix.tensors.items():
+        for j, (off, sizes, f, offset, length) in enumerate(chunks):
+            fqn, at = f"{n}#{j}", torch.Size([0] * len(sizes))      # each piece its own tensor
+            md[fqn] = TensorStorageMetadata(TensorProperties(dtype=st._dtype(dtype)), torch.Size(sizes),
+                                            [ChunkStorageMetadata(at, torch.Size(sizes))])
+            storage[MetadataIndex(fqn, at)] = _StorageInfo(f"{ix.key}/{f}", int(offset), int(length))
+            target[fqn] = torch.empty(sizes, dtype=st._dtype(dtype))
+            where[fqn] = (n, torch.Size(off))
+    _dcp(dcp.load, f"reading checkpoint shard {d / ix.key}", target,
+         storage_reader=_Reader(d, Metadata(md, storage_data=storage)), planner=_LoadPlanner(), no_dist=True)
+    return [(n, off, target[fqn]) for fqn, (n, off) in where.items()]

@@ -5,6 +5,7 @@ in `lost.py`, the rank itself in `rank.py`.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
@@ -15,21 +16,20 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 
 from .. import jobdir
 from ..comm import vote as votes
 from ..control.auth import Keys, Sealer
 from ..control.wire import Wire
-from ..data import seed_step
 from ..events import fsync_write
-from ..exits import Exit
 from ..messages import Crashed, SwapPlan
 from ..errors import MisuseError
 from . import checkpoint as ckpt
 from . import lost, promote
-from .rank import BuildFn, StepFn, Worker, exit_clean, is_link
+from .rank import SCRIPT, BuildFn, StepFn, Worker, exit_clean, is_link, script
 from .sandbox import Recorder
-from .state import digest, nbytes, send_state
+from .state import Rollback, digest, nbytes, send_state
 
 ENV_FD = "TM_SLURM_AGENT_FD"
 
@@ -47,7 +47,7 @@ def start(w: Worker, build_fn: BuildFn, step_fn: StepFn) -> int:
     t0 = time.perf_counter()
     w.install(w.build(w.store_client(w.T.admit_timeout_s), list(w.launch.groups)))
     build_s = time.perf_counter() - t0
-    w.state = build_fn(w.ctx)
+    w.state = script(build_fn, w.ctx)
     start = w.launch.start_step
     if w.launch.checkpoint:
         start = ckpt.load(Path(w.launch.checkpoint), w.rank, w.topo, w.state)
@@ -56,26 +56,33 @@ def start(w: Worker, build_fn: BuildFn, step_fn: StepFn) -> int:
 
 
 def train(w: Worker, step_fn: StepFn, steps: int, start: int) -> None:
+    """`tm_slurm.run`'s loop: returns when the training is over (see `training`)."""
     run = training(w, steps, start)
-    step = next(run)
-    while True:
-        step = run.send(step_fn(w.ctx, w.state, step))
+    try:
+        step = next(run)
+        while True:
+            step = run.send(script(step_fn, w.ctx, w.state, step))
+    except StopIteration:
+        return
 
 
 def training(w: Worker, steps: int, start: int) -> Iterator[int]:
     """The training loop as a generator: it yields each step to run and is sent the step's
     result (its loss, or None), whoever runs the step: `train` calls a step function, the stock
     API's `opt.step()` sends on (stock.py), so a healthy step needs no hand-off between threads.
-    It never returns: the process ends after the last step (or a stop)."""
+    It returns after the last step has committed and the final state is checkpointed (`_complete`),
+    so that the script's code after its loop runs; a stop ends the process instead."""
     w.watch = lost.Watch()
     w.inbox.on_lost = lambda: w.watch.take_over(w)
     st = w.state
+    w.rollback = Rollback(st)
     step = start
     t_prev = time.perf_counter()
     first = True
     while step < steps and w.inbox.stop_reason is None:
         w.step = step
-        seed_step(w.device, w.cfg.seed, step, w.rank)
+        w.seeds.step(step, w.rank)
+        w.rollback.take()
         t0 = time.perf_counter()
         (st.optimizer or st.model).zero_grad(set_to_none=True)
         w.table.broken.clear()
@@ -85,6 +92,7 @@ def training(w: Worker, steps: int, start: int) -> Iterator[int]:
         d = _vote(w, step)
         if not d.commit:
             (st.optimizer or st.model).zero_grad(set_to_none=True)
+            w.rollback.restore()
             step = promote.recover(w, step, d)
             t_prev = time.perf_counter()
             first = True
@@ -104,7 +112,7 @@ def training(w: Worker, steps: int, start: int) -> Iterator[int]:
     if w.inbox.stop_reason is not None:
         w.report("stopped", step, reason=w.inbox.stop_reason)
         exit_clean()
-    _finish(w, step)
+    _complete(w, step)
 
 
 def _vote(w: Worker, step: int) -> votes.Decision:
@@ -155,11 +163,20 @@ def _switch(w: Worker, plan: SwapPlan, next_step: int) -> None:
              identity={gid: [before.get(gid), i] for gid, i in w.table.identities().items()})
 
 
-def _finish(w: Worker, step: int) -> None:
+def _complete(w: Worker, step: int) -> None:
+    """The loop is over: checkpoint the final state (whatever checkpoint.every_steps is: the
+    script's own save after its loop is one the runtime cannot verify), write its digest, and
+    leave the process to the script's code after the loop. The rank reports `finished` when that
+    code has run (`_finished`, at the interpreter's exit): the controller ends the job, and so
+    every process of it, only when every rank has."""
+    w.checkpoint(step, "final")
     w.checkpoint_done(wait=True)
     dg = digest(w.state)
-    out = w.job_dir / "final"
-    fsync_write(jobdir.private_dir(out) / f"rank{w.rank}.sha256", (dg + "\n").encode())
+    fsync_write(jobdir.private_dir(w.job_dir / "final") / f"rank{w.rank}.sha256", (dg + "\n").encode())
+    atexit.register(_finished, w, step, dg)
+
+
+def _finished(w: Worker, step: int, dg: str) -> None:
     w.report("finished", step, digest=dg)
     exit_clean()
 
@@ -182,14 +199,27 @@ def connect(how: str) -> tuple[Wire, Keys]:
     return wire, keys
 
 
-def crashed(wire: Wire, exc: BaseException | None = None) -> None:
-    """Tell the agent why this worker ends (`exc`, or the exception being handled), and end."""
+def crashed(wire: Wire, exc: BaseException | None = None, w: Worker | None = None,
+            by_script: bool = False, step: int | None = None) -> None:
+    """Tell the agent why this worker ends (`exc`, or the exception being handled), and end. The
+    script is at fault, and the job ends FAILED without a recovery or a requeue (a standby or a
+    rerun would fail the same way), for a misuse of the API and for any exception its own code
+    raised (`by_script`, or marked by `script`), unless it comes from the network (a
+    torch.distributed error) or follows a collective that failed in this step: then a node is.
+    `step`: the step the script was in, where the runtime has moved on (after `opt.step()`)."""
     if exc is None:
         exc = sys.exc_info()[1]
     text = "".join(traceback.format_exception(exc))
-    sys.stderr.write(text)
-    wire.send(Crashed(-1, None, None, error=text[-2000:], script_error=isinstance(exc, MisuseError)))
+    own = by_script or getattr(exc, SCRIPT, False)
+    comm = isinstance(exc, dist.DistError) or (w is not None and bool(w.table.broken))
+    fault = isinstance(exc, MisuseError) or (own and not comm and not isinstance(exc, KeyboardInterrupt))
+    if not fault:
+        sys.stderr.write(text)     # the script's own error is tm-slurm's to print, once (its agent logs it)
+    sys.stdout.flush()
     sys.stderr.flush()
+    gen, rank = (w.gen, w.rank) if w is not None else (-1, None)
+    step = step if step is not None else w.step if w is not None else None
+    wire.send(Crashed(gen, rank, step, error=text[-2000:], script_error=fault))
     os._exit(1)
 
 
@@ -197,8 +227,9 @@ def run(build: BuildFn, step: StepFn, steps: int) -> None:
     """Entry point for the user's script (see the README's porting guide)."""
     if os.environ.get(ENV_FD) is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         from .plain import run_plain      # launched by torchrun: plain training, no swaps
-        run_plain(build, step, steps)
+        return run_plain(build, step, steps)
     wire, keys = connect("under torchrun it trains without the runtime")
+    w = None
     try:
         w = Worker(wire, keys)
         w.total_steps = steps
@@ -206,5 +237,7 @@ def run(build: BuildFn, step: StepFn, steps: int) -> None:
     except SystemExit:
         raise
     except BaseException:
-        crashed(wire)
-    os._exit(Exit.AGENT_GONE)  # unreachable: train() always exits the process
+        crashed(wire, w=w)
+    # the script's code after its loop: an exception there is its own, and ends the job FAILED
+    # (not with the `finished` that the interpreter's exit would report)
+    sys.excepthook = lambda typ, exc, tb: crashed(wire, exc, w=w, by_script=True)

@@ -101,6 +101,8 @@ def controller_lost(w, pending: int | None, error) -> None:
         exit_clean(Exit.REQUEUE)
     if w.committed == k - 1 and pending == k:
         w.apply(k)                       # K committed (someone saw it): catch up
+    elif pending is not None and w.rollback is not None:
+        w.rollback.restore()             # the step in its vote did not commit: its buffers go
     if w.committed != k:
         exit_clean(Exit.REQUEUE)
     able = sorted(p.rank for p in peers if p.shard == me.shard and

@@ -6,6 +6,7 @@ _DP_SHARD (default: all data parallel). Writes per-step times and the final dige
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import time
@@ -18,10 +19,10 @@ import torch.distributed as dist
 from ..comm.groups import build_group, pick_backend
 from ..comm.handles import GroupTable
 from ..config import Layout
-from ..data import seed_step
 from ..messages import GroupBuild
 from ..topology import Topology
 from .context import make_context
+from .rng import Seeds
 from .state import digest
 
 
@@ -68,15 +69,16 @@ class PlainRun:
                                           backend=pick_backend("auto", device), timeout=300,
                                           iface=env.get("TM_SLURM_IFACE", "127.0.0.1"))})
         self.ctx = make_context(topo, rank, table, device, int(env.get("TM_SLURM_SEED", 0)))
+        self.seeds = Seeds(device, self.ctx.seed)
 
     def steps(self, st, steps: int):
         """The steps, each seeded and its gradients cleared as the runtime does; after the last
-        one, the per-step times and the final digest go to $TM_SLURM_PLAIN_OUT and the process
-        ends (as under the runtime)."""
+        one, the per-step times and the final digest go to $TM_SLURM_PLAIN_OUT and the script's
+        code after its loop runs (as under the runtime)."""
         times = []
         t_prev = time.perf_counter()
         for i in range(steps):
-            seed_step(self.ctx.device, self.ctx.seed, i, self.ctx.rank)
+            self.seeds.step(i, self.ctx.rank)
             (st.optimizer or st.model).zero_grad(set_to_none=True)
             yield i
             now = time.perf_counter()
@@ -96,7 +98,7 @@ class PlainRun:
         self.store.add("done", 1)
         while rank == 0 and self.store.add("done", 0) < self.ctx.world:
             time.sleep(0.05)
-        os._exit(0)
+        atexit.register(os._exit, 0)     # no interpreter teardown of gloo's threads (as under the runtime)
 
 
 def run_plain(build, step, steps: int) -> None:

@@ -18,7 +18,7 @@ from ..exits import Exit
 from ..messages import CancelPlan, Checkpoint, Prepare, Recover, Resume, Stop, WriteCheckpoint
 from . import checkpoint as ckpt
 from . import lost, sandbox
-from .rank import BuildFn, StepFn, Worker, error_text, exit_clean, is_link
+from .rank import BuildFn, StepFn, Worker, error_text, exit_clean, is_link, script
 from .state import recv_state, send_state
 
 
@@ -91,7 +91,7 @@ def _join(w: Worker, msg: Prepare | Recover, build_fn: BuildFn) -> int:
         w.parked = None                    # free the parked role before building another
         # built as a rehearsed one is, on local groups: its state comes over the link, and its
         # real groups are not installed yet (a DDP would broadcast on them)
-        w.state = build_fn(w.context(w.rank, sandbox=sandbox.local_table(w.topo)))
+        w.state = script(build_fn, w.context(w.rank, sandbox=sandbox.local_table(w.topo)))
         w.set_rank(w.rank)
         reused = False
     t_model = time.perf_counter() - t0

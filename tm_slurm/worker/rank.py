@@ -32,10 +32,24 @@ from ..topology import Topology
 from . import checkpoint as ckpt
 from .context import Context, make_context, torch_groups
 from .inbox import Inbox
-from .state import TrainState
+from .rng import Seeds
+from .state import Rollback, TrainState
 
 StepFn = Callable[[Context, TrainState, int], object]
 BuildFn = Callable[[Context], TrainState]
+
+
+SCRIPT = "_tm_slurm_script"    # set on an exception raised by the script's own code
+
+
+def script(f, *a):
+    """Call the script's code (its build or step function): what it raises is marked as the
+    script's, for `crashed`."""
+    try:
+        return f(*a)
+    except BaseException as e:
+        setattr(e, SCRIPT, True)
+        raise
 
 
 def is_link(g) -> bool:
@@ -58,6 +72,7 @@ class Worker:
         self.step: int | None = None           # the step being worked on
         self.committed: int | None = None      # the last committed step
         self.device = self._device()
+        self.seeds = Seeds(self.device, self.cfg.seed)
         self.backend = pick_backend(self.cfg.comm.backend, self.device)
         self.iface = self.cfg.comm.interface or socket.gethostname()
         self.store = self.store_client(self.T.vote_timeout_s)
@@ -71,6 +86,7 @@ class Worker:
         self._written: int | None = None  # the step of this rank's last shard written
         self.prepared: dict[int, dict[str, Group]] = {}
         self.state: TrainState | None = None
+        self.rollback: Rollback | None = None   # the training loop's, once it runs
         self.applying = False
         self.ctx: Context | None = None
         self.parked: tuple[str, TrainState] | None = None   # a standby's rehearsed (role, state)
@@ -185,17 +201,18 @@ class Worker:
     def apply(self, step: int) -> None:
         """The optimizer step of a committed step (only ever under a commit decision)."""
         st = self.state
-        if st.optimizer is not None:
-            self.step_optimizer(st.optimizer)
-        if st.scheduler is not None:
-            st.scheduler.step()
+        self.step_optimizer(st.optimizer, st.scheduler)
         self.committed = step
 
-    def step_optimizer(self, optimizer) -> None:
-        """The runtime's step of an optimizer: the stock API's refuses any other (stock.py)."""
+    def step_optimizer(self, optimizer, scheduler=None) -> None:
+        """The runtime's step of an optimizer and its scheduler: the stock API's refuse any other
+        (stock.py)."""
         self.applying = True
         try:
-            optimizer.step()
+            if optimizer is not None:
+                optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
         finally:
             self.applying = False
 

@@ -22,6 +22,7 @@ from ..comm.handles import GroupTable, done
 from ..comm.torchgroup import serve_locally
 from ..events import fsync_write
 from ..topology import Coord, Topology
+from .rank import script
 
 STANDINS = "standins.pt"
 
@@ -124,13 +125,13 @@ def rehearse(w, build_fn, step_fn, steps: int, wait_standins_s: float = 30.0) ->
         # its second, and a joiner that had not would call a collective no one else calls)
         t0 = time.perf_counter()
         ctx = w.context(r, sandbox=table)
-        state = build_fn(ctx)
+        state = script(build_fn, ctx)
         times = []
         for i in range(steps):
             t1 = time.perf_counter()
-            torch.manual_seed(i)
+            w.seeds.step(i, r)
             (state.optimizer or state.model).zero_grad(set_to_none=True)
-            step_fn(ctx, state, i)
+            script(step_fn, ctx, state, i)
             if state.optimizer is not None:
                 w.step_optimizer(state.optimizer)
             times.append(time.perf_counter() - t1)

@@ -8,6 +8,7 @@ place; otherwise it allocates from the manifest first.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,38 @@ class TrainState:
     optimizer: torch.optim.Optimizer | None = None
     scheduler: Any = None
     extra: dict = field(default_factory=dict)   # user values to carry along (small, plain values)
+    registered: dict = field(default_factory=dict)  # name -> object with state_dict/load_state_dict
+
+
+class Rollback:
+    """What a step changes besides the optimizer's work, taken at the step's start and put back
+    when the vote discards the step: the model's buffers (BatchNorm's running statistics and
+    counter, any registered buffer: the forward pass updates them before the vote) and the
+    objects the script registered (`job.register`). Buffers are copied into tensors allocated
+    once, in one foreach copy (150 BatchNorm buffers: ~60 us here); a model without buffers
+    costs nothing."""
+
+    def __init__(self, state: TrainState):
+        self.state = state
+        self._bufs: list[torch.Tensor] = []
+        self._saved: list[torch.Tensor] = []
+        self._objs: dict[str, object] = {}
+
+    def take(self) -> None:
+        bufs = [_local(b) for b in self.state.model.buffers()]
+        if bufs:
+            if [(b.shape, b.dtype, b.device) for b in bufs] != [(b.shape, b.dtype, b.device) for b in self._saved]:
+                self._saved = [torch.empty_like(b) for b in bufs]      # first step, or the model changed
+            torch._foreach_copy_(self._saved, bufs)
+        self._bufs = bufs
+        self._objs = {n: copy.deepcopy(o.state_dict()) for n, o in self.state.registered.items()}
+
+    def restore(self) -> None:
+        if self._bufs:
+            with torch.no_grad():
+                torch._foreach_copy_(self._bufs, self._saved)
+        for n, sd in self._objs.items():
+            self.state.registered[n].load_state_dict(copy.deepcopy(sd))
 
 
 def _opt_params(opt: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
@@ -71,7 +104,7 @@ def manifest(state: TrainState, step: int) -> StateManifest:
                    for i, p in enumerate(_opt_params(opt))}
     return StateManifest(step, tuple((n, tuple(t.shape), str(t.dtype)) for n, t in tensors(state)),
                          groups, scalars, state.scheduler.state_dict() if state.scheduler is not None else None,
-                         dict(state.extra))
+                         dict(state.extra), {n: o.state_dict() for n, o in state.registered.items()})
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -115,6 +148,9 @@ def apply_plain(state: TrainState, m: StateManifest) -> None:
         state.scheduler.load_state_dict(m.scheduler)
     state.extra.clear()
     state.extra.update(m.extra)
+    for n, sd in m.registered.items():
+        if n in state.registered:
+            state.registered[n].load_state_dict(sd)
 
 
 def apply_manifest(state: TrainState, m: StateManifest) -> list[torch.Tensor]:
@@ -139,7 +175,7 @@ def digest(state: TrainState) -> str:
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     m = manifest(state, 0)
     h.update(repr((m.param_groups, sorted(m.opt_scalars.items()), m.scheduler,
-                   sorted(m.extra.items()))).encode())
+                   sorted(m.extra.items()), sorted(m.registered.items()))).encode())
     return h.hexdigest()
 
 

@@ -16,8 +16,9 @@ the vote, the optimizer step under a commit, swaps and recovery) to the script's
 `opt.step()` runs it on to the next step there: a healthy step costs no hand-off between threads
 (two cost ~0.17 ms a step here). A step that the vote discards is handed to the script again; a
 standby's script runs its first steps as a rehearsal (`job.sandbox`), then waits inside
-`opt.step()` until it is promoted. When the last step commits the process ends (as with
-`tm_slurm.run`): write final outputs from the loop, or let the runtime's checkpoint do it.
+`opt.step()` until it is promoted. When the last step has committed, and the runtime has
+checkpointed the final state, `job.steps()` returns on every active rank and the script's code
+after its loop runs; a standby that was never promoted never gets there (it is ended with the job).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from ..comm.torchgroup import TorchGroup, WorldGroup, register, set_rank
 from ..errors import MisuseError
@@ -103,6 +105,44 @@ class _Rank:
             return getattr(self.ctx, name)
         raise AttributeError(name)
 
+    @property
+    def is_main(self) -> bool:
+        """Whether this process writes what is written once (rank 0; never a rehearsing standby)."""
+        return self.ctx.rank == 0 and not self.ctx.sandbox
+
+    def generator(self, name: str = "default", device=None) -> torch.Generator:
+        """A generator of the script's own (dropout masks, noise, augmentation), reseeded at each
+        step's start from (seed, step, rank, name): a repeated step or a joiner draws the same."""
+        return self._seeds.generator(name, device)
+
+    def sampler(self, dataset, batch_size: int, micro_batches: int = 1, shuffle: bool = True,
+                drop_last: bool = True, seed: int | None = None):
+        """In place of DistributedSampler: `DataLoader(ds, batch_size=batch_size,
+        sampler=job.sampler(ds, batch_size, micro_batches))`, iterated once inside each step,
+        gives this step's `micro_batches` batches for this DP rank, whoever runs the step
+        (tm_slurm/data.py)."""
+        from ..data import StepSampler
+        return StepSampler(dataset, batch_size, self._position, micro_batches=micro_batches,
+                           shuffle=shuffle, drop_last=drop_last,
+                           seed=self.ctx.seed if seed is None else seed)
+
+    def _position(self) -> tuple[int, int, int]:
+        if self._stepping is None:
+            raise MisuseError("job.sampler's DataLoader is iterated inside a step of job.steps(): "
+                              "it reads that step's batches (iterate it once per step)")
+        return self._stepping, self.ctx.dp_rank, self.ctx.dp_size
+
+    def register(self, name: str, obj) -> None:
+        """Carry an object's state with the rank's (`state_dict()` / `load_state_dict()`, plain
+        values: a metric's running sum, a curriculum's position): restored when a step is
+        discarded, moved to a joiner, checkpointed."""
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise MisuseError(f"job.register({name!r}, ...): the object needs state_dict() and load_state_dict()")
+        if isinstance(obj, torch.nn.Module):
+            raise MisuseError(f"job.register({name!r}, ...) is for plain state: a module's tensors are "
+                              "the model's (keep it inside the model given to job.optimizer)")
+        self._registered[name] = obj
+
     def group(self, kind: str) -> TorchGroup:
         """This rank's group of `kind` ("dp", "tp"; with HSDP "dp_shard", "dp_rep") as a torch
         ProcessGroup: the same object for the whole run (the group under it changes at swaps)."""
@@ -132,10 +172,13 @@ class Job(_Rank):
 
     def __init__(self, w: Worker):
         self._w = w
+        self._seeds = w.seeds
+        self._registered: dict = {}
         self._baton = Baton()
         self._ctx: Context | None = None
         self._state: TrainState | None = None
         self._stepping: int | None = None       # the step the script is in, until opt.step()
+        self._yielded: int | None = None        # ... and after it, until the next one
         self._training: Iterator[int] | None = None     # loop.training, once handed over
         self._runtime: threading.Thread | None = None
 
@@ -155,7 +198,7 @@ class Job(_Rank):
                 "the runtime would recover a rank's shard from another DP rank's. Set layout.dp_shard "
                 f"(--dp-shard {lay.dp} for fully_shard over the whole DP group; or shard over "
                 "job.mesh() for HSDP)")
-        self._state = TrainState(model, optimizer, scheduler)
+        self._state = TrainState(model, optimizer, scheduler, registered=self._registered)
         w = self._w
 
         def only_the_runtime(*_):
@@ -164,6 +207,8 @@ class Job(_Rank):
                                   "on what job.optimizer() returned (it applies the step only after "
                                   "every rank has voted to commit it)")
         optimizer.register_step_pre_hook(only_the_runtime)
+        if scheduler is not None:
+            _runtime_steps(scheduler, w)
         return Optimizer(self, optimizer)
 
     def steps(self, total: int) -> Iterator[int]:
@@ -181,7 +226,9 @@ class Job(_Rank):
             elif kind != "step":
                 raise MisuseError("the runtime asked this script to build its model again: the "
                                   "stock-loop API builds once (pipeline parallel jobs use tm_slurm.run)")
-            self._stepping = step
+            if step is None:
+                return                                   # trained, and the final state checkpointed
+            self._stepping = self._yielded = step
             yield step
             if self._stepping is not None:
                 raise MisuseError(f"step {step} ended without opt.step() on the optimizer that "
@@ -198,12 +245,14 @@ class Job(_Rank):
             self._next = ("step", self._w.ctx, self._run(self._training.send, None))
 
     def _run(self, f, *a):
-        """The training loop on this thread: an error in it is the runtime's, reported as such
-        (it ends the process), never the script's to catch."""
+        """The training loop on this thread: the next step, or None once it is over. An error in
+        it is the runtime's, reported as such (it ends the process), never the script's to catch."""
         try:
             return f(*a)
+        except StopIteration:
+            return None
         except BaseException as e:
-            loop.crashed(self._w.inbox.wire, e)
+            loop.crashed(self._w.inbox.wire, e, w=self._w)
 
     # ---- the runtime's side (its thread)
     def _build(self, ctx: Context) -> TrainState:
@@ -220,7 +269,7 @@ class Job(_Rank):
             first = loop.start(w, self._build, self._step)    # w.total_steps is known after it
             training = loop.training(w, w.total_steps, first)
         except BaseException:
-            loop.crashed(w.inbox.wire)
+            loop.crashed(w.inbox.wire, w=w)
         self._baton.hand_over(("train", None, training))
 
 
@@ -231,6 +280,9 @@ class PlainJob(_Rank):
     def __init__(self):
         from .plain import PlainRun
         self._run = PlainRun()
+        self._seeds = self._run.seeds
+        self._registered: dict = {}
+        self._stepping: int | None = None
         self._state: TrainState | None = None
         world = WorldGroup(self.ctx.world)
         register(self.ctx.groups, world)
@@ -241,13 +293,16 @@ class PlainJob(_Rank):
         return self._run.ctx
 
     def optimizer(self, model, optimizer, scheduler=None) -> Optimizer:
-        self._state = TrainState(model, optimizer, scheduler)
+        self._state = TrainState(model, optimizer, scheduler, registered=self._registered)
         return Optimizer(self, optimizer)
 
     def steps(self, total: int) -> Iterator[int]:
         if self._state is None:
             raise MisuseError("call job.optimizer(model, optimizer) before job.steps()")
-        return self._run.steps(self._state, total)
+        for step in self._run.steps(self._state, total):
+            self._stepping = step
+            yield step
+        self._stepping = None
 
     def _end_step(self) -> None:
         self._state.optimizer.step()
@@ -263,6 +318,43 @@ def _sharded_over(model: torch.nn.Module, group) -> bool:
             if any(pl.is_shard() and mesh.get_group(d) is group for d, pl in enumerate(p.placements)):
                 return True
     return False
+
+
+def _runtime_steps(scheduler, w: Worker) -> None:
+    """The scheduler given to job.optimizer() steps with each committed optimizer step, by the
+    runtime: a `sched.step()` left in the loop would run the schedule twice as fast (and a
+    OneCycleLR past its end), so it fails at once. The instance's class becomes a subclass (its
+    state_dict, which copies the instance's attributes, stays as it was)."""
+    cls = type(scheduler)
+
+    def step(self, *a, **kw):
+        if not w.applying:
+            raise MisuseError(f"{cls.__name__}.step() was called by the script: the scheduler given "
+                              "to job.optimizer() is stepped by the runtime with each committed "
+                              "opt.step(); remove the script's call")
+        return cls.step(self, *a, **kw)
+    scheduler.__class__ = type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__})
+
+
+def _keyed_data(loader) -> None:
+    """A DataLoader's order must be a function of the step (job.sampler): the position of a
+    DistributedSampler or of DataLoader(shuffle=True) is the iterator's, which a repeated step or a
+    joiner does not have, so their batches would differ silently."""
+    from ..data import StepSampler
+    sampler = getattr(loader.batch_sampler, "sampler", None) or loader.sampler
+    if isinstance(sampler, StepSampler) and loader.batch_size != sampler.batch_size:
+        raise MisuseError(f"DataLoader(batch_size={loader.batch_size}) over job.sampler(..., batch_size="
+                          f"{sampler.batch_size}): give both the same batch size, so that the loader "
+                          f"yields the step's {sampler.micro_batches} micro-batch(es)")
+    if isinstance(sampler, DistributedSampler):
+        raise MisuseError("a DataLoader with a DistributedSampler under tm_slurm: its position is "
+                          "lost when a step is repeated or a standby takes over. Use "
+                          "sampler=job.sampler(dataset, batch_size, micro_batches) and iterate the "
+                          "loader once inside each step (README \"Porting\")")
+    if isinstance(sampler, RandomSampler):
+        raise MisuseError("DataLoader(shuffle=True) under tm_slurm: every rank would shuffle alone "
+                          "and a repeated step or a standby would read other samples. Use "
+                          "sampler=job.sampler(dataset, batch_size, micro_batches) (README \"Porting\")")
 
 
 def _forbid(what: str, instead: str):
@@ -281,6 +373,12 @@ def _guard_torch() -> None:
                   "runtime keeps through swaps")
     for mod in (dist, c10d):
         mod.init_process_group, mod.new_group = init, new
+    iterate = DataLoader.__iter__
+
+    def checked_iter(loader):
+        _keyed_data(loader)
+        return iterate(loader)
+    DataLoader.__iter__ = checked_iter
 
 
 def init() -> Job | PlainJob:
@@ -307,7 +405,9 @@ def init() -> Job | PlainJob:
     except BaseException:
         loop.crashed(wire)
 
-    sys.excepthook = lambda typ, exc, tb: loop.crashed(wire, exc)
+    # an exception that reaches the top of the script's thread came from its own code (the
+    # runtime's own errors end the process where they happen: Job._run, Job._drive)
+    sys.excepthook = lambda typ, exc, tb: loop.crashed(wire, exc, w=w, by_script=True, step=job._yielded)
     job._runtime.start()
     job._baton.wait_user()
     _, job._ctx, _ = job._baton.value
