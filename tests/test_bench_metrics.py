@@ -117,3 +117,8 @@ def test_the_job_processes_are_told_apart():
     assert _role([py, "-m", "tm_slurm", "agent", "--", py, "x/ddp_example.py"], 1, 4, "ddp_example.py") == "agent"
     assert _role([py, "-m", "tm_slurm.store.process", "127.0.0.1"], 1, 5, "ddp_example.py") == "store"
     assert _role([py, "x/ddp_example.py", "--steps", "5"], 1, 6, "ddp_example.py") == "worker"
+
+
+def test_the_machine_busy_share_is_a_share():
+    assert 0.0 <= M.machine_busy(0.05) <= 1.0
+    assert 0.0 <= M.wait_quiet(most=1.0, patience=0.0) <= 1.0     # at once: any share will do

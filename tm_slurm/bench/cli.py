@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ..demo import COMPILE_STEPS, EXAMPLES
-from . import peers, runs
+from . import metrics, peers, runs
 from .frames import frame_costs
 from .frames import table as frames_table
 from .metrics import summary
@@ -137,18 +137,24 @@ def main(args) -> int:
         # each pair back to back, the order alternating: a drift of the machine lands on both
         # sides, and the median of the pairs' ratios shrugs off one disturbed run
         plain = tm = 0.0
+        before = {}
         for who in (("plain", "tm") if i % 2 == 0 else ("tm", "plain")):
+            # on a shared machine another user's load slows the runtime's several processes
+            # more than the plain ranks: start each run on a quiet machine, and say how quiet
+            before[who] = round(metrics.wait_quiet(), 2)
             if who == "plain":
                 plain, plain_info = runs.plain_steady(root, steps, extra, ex=ex)
             else:
                 tm, tm_info = runs.runtime_steady(root, steps, extra, ex=ex)
         pairs.append((tm, plain))
         details.append({"tm_s": tm, "plain_s": plain, "tm_mean_s": tm_info.get("mean_step_s"),
-                        "plain_mean_s": plain_info.get("mean_step_s"), "cpu_ms_per_step": tm_info.get("cpu_ms_per_step")})
+                        "plain_mean_s": plain_info.get("mean_step_s"), "busy_before": before,
+                        "cpu_ms_per_step": tm_info.get("cpu_ms_per_step")})
         say(f"  [{time.monotonic() - t0:6.0f}s] pair {i + 1}/{args.pairs}: tm_slurm {tm * 1e3:.2f} ms, "
-            f"plain {plain * 1e3:.2f} ms a step (median); runtime's processes, CPU ms a step: "
-            f"{tm_info.get('cpu_ms_per_step') or '-'}")
+            f"plain {plain * 1e3:.2f} ms a step (median; the machine busy before: {before}); the runtime's "
+            f"processes, CPU ms a step: {tm_info.get('cpu_ms_per_step') or '-'}")
     out = report(samples, scenarios, strategies, pairs, details)
+    out["steady_pairs"] = details
     out["frames"] = frame_costs()
     out["config"] = {"example": ex.name, "layout": ex.layout, "reps": reps, "analyzed": args.analyze, "steps": steps,
                      "at_step": at, "hang_timeout_s": hang, "node": ex.drain,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import resource
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +75,29 @@ def process_cpu(pid: int | None = None) -> float:
         return r.ru_utime + r.ru_stime
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy(window: float = 0.5) -> float:
+    """The share of this machine's CPU time that was busy over `window` seconds (0..1, /proc/stat)."""
+    def read() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]          # all, idle + iowait
+    t0, i0 = read()
+    time.sleep(window)
+    t1, i1 = read()
+    return 1 - (i1 - i0) / max(t1 - t0, 1)
+
+
+def wait_quiet(most: float = 0.25, patience: float = 20.0) -> float:
+    """Before a timed run on a shared machine: wait, up to `patience` seconds, until others use at
+    most `most` of its CPU; returns the last share seen (for the record, whether it waited long
+    enough or not)."""
+    end = time.monotonic() + patience
+    while True:
+        busy = machine_busy()
+        if busy <= most or time.monotonic() > end:
+            return busy
 
 
 def tree_cpu(root: int) -> dict[int, tuple[list[str], float]]:

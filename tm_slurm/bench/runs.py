@@ -260,5 +260,6 @@ def steady_cpu(r: JobRun, job: Path, steps: int, ex: Example, out: dict) -> None
         by: dict[str, float] = {}
         for pid, (role, cpu) in b.items():          # a process in both samples
             if pid in a:
+                role = a[pid][0] if role == "other" else role     # a command line read mid-change
                 by[role] = by.get(role, 0.0) + cpu - a[pid][1]
         out.update({k: round(v * 1e3 / (n1 - n0), 4) for k, v in sorted(by.items())})

@@ -15,10 +15,13 @@ it on the pending key first, so that the controller taking it back (`take_back`)
 decision cannot disagree. Nobody applies a partial update: a step is applied only under a commit
 decision.
 
-What a healthy step costs, in store round trips: every voter an append (the store does not
-answer it) and an add, then a get that waits for the decision (1); the deciding voter instead
-reads the votes (1), the pending switch (1) and writes the decision (1), and at the one boundary
-that carries a switch claims it (1). A decider that waited for the votes themselves would not hear an abort.
+What a healthy step costs, in store round trips: every voter sends its append (the store does
+not answer it) and its add in one batch (1), then a get that waits for the decision (1); the
+deciding voter instead reads the votes and the pending switch (1: in the same batch as its add in
+a job of up to SPECULATE_NODES voters, where every voter reads them in case its count is the
+last) and writes the decision (1), and at the one boundary that carries a switch claims it (1):
+two round trips from the last vote to the decision in a small job, three in a large one. A
+decider that waited for the votes themselves would not hear an abort.
 """
 from __future__ import annotations
 
@@ -79,17 +82,29 @@ KEYS_KEPT = 64
 
 _RANK = 4      # bytes of a vote: the voting rank
 
+# up to this many voters, each reads what a decider reads in the batch of its vote, in case its
+# count is the last: the decision then takes two round trips after the last vote (three beyond,
+# four before batches; README "Steady-state overhead"). Each voter that is not the last makes the
+# store's thread serve two reads for nothing: (voters - 1) x 2 requests a step for one round trip
+SPECULATE_NODES = 4
+
 
 def voters(store, gen: int, step: int) -> list[int]:
     """The ranks whose votes for (gen, step) are in; ValueError if the key is not a run of votes."""
     return [int.from_bytes(v, "big") for v in store.pieces(vkey(gen, step), _RANK)]
 
 
-def forget(store, gen: int, step: int) -> None:
-    """Controller: delete an old step's keys, so the store holds a bounded number of keys
-    whatever the number of steps (controller/votekeys.py says when)."""
-    for k in (vkey(gen, step), nkey(gen, step), dkey(gen, step)):
-        store.delete_key(k)
+def forget(store, gen: int, step: int, count: int = 1) -> None:
+    """Controller: delete the keys of `count` old steps from `step` on, so the store holds a
+    bounded number of keys whatever the number of steps (controller/votekeys.py says when). In
+    one round trip where the store takes batches: each one is a wake-up of the store's thread
+    and the controller's, on the cores the ranks train on."""
+    keys = [k for s in range(step, step + count) for k in (vkey(gen, s), nkey(gen, s), dkey(gen, s))]
+    if hasattr(store, "pipeline"):
+        store.pipeline(*(("delete", k) for k in keys))
+    else:
+        for k in keys:
+            store.delete_key(k)
 
 
 def abort(store, gen: int, step: int, why: str) -> Decision:
@@ -104,9 +119,22 @@ def vote(store, gen: int, step: int, world: int, ok: bool, timeout: float, rank:
     (comm/nodevote.py); the count then reaches world // per_node."""
     if not ok:
         return abort(store, gen, step, "a rank saw a failure")
-    store.append(vkey(gen, step), rank.to_bytes(_RANK, "big"))
-    if store.add(nkey(gen, step), 1) == world // per_node:
-        return _decide(store, gen, step, world, per_node)
+    nodes = world // per_node
+    vote_b = rank.to_bytes(_RANK, "big")
+    pipe = getattr(store, "pipeline", None)
+    if pipe is None:        # a store without batches (torch's): a round trip a call
+        store.append(vkey(gen, step), vote_b)
+        if store.add(nkey(gen, step), 1) == nodes:
+            return _decide(store, gen, step, world, per_node)
+    else:
+        # the vote, its count and (a small job) what the decider reads, in one round trip: read
+        # after this voter's add, on its link, the votes are all in when its count is the last
+        calls = [("append", vkey(gen, step), vote_b), ("add", nkey(gen, step), 1)]
+        if nodes <= SPECULATE_NODES:
+            calls += [("peek", vkey(gen, step)), ("peek", pending_key(gen))]
+        got = pipe(*calls)
+        if got[1] == nodes:
+            return _decide(store, gen, step, world, per_node, *got[2:])
     try:
         raw = store.wait_get(dkey(gen, step), timeout)
     except Exception:
@@ -114,15 +142,19 @@ def vote(store, gen: int, step: int, world: int, ok: bool, timeout: float, rank:
     return Decision.decode(raw)
 
 
-def _decide(store, gen: int, step: int, world: int, per_node: int) -> Decision:
-    try:
-        every = sorted(set(voters(store, gen, step))) == list(range(0, world, per_node))
-    except Exception:       # not a run of votes
-        every = False
+def _decide(store, gen: int, step: int, world: int, per_node: int, *read) -> Decision:
+    """`read`: (the votes, the pending switch) as read after the count reached the world, if they
+    were (else read here, in one round trip where the store takes batches)."""
+    pk = pending_key(gen)
+    if not read:
+        read = (store.pipeline(("peek", vkey(gen, step)), ("peek", pk)) if hasattr(store, "pipeline")
+                else (store.peek(vkey(gen, step)), store.peek(pk)))
+    raw_v, raw_p = read[0] or b"", read[1] or b""
+    # not a run of votes (a length that is not one) counts as a vote missing
+    every = not len(raw_v) % _RANK and sorted({int.from_bytes(raw_v[i:i + _RANK], "big") for i in
+                                              range(0, len(raw_v), _RANK)}) == list(range(0, world, per_node))
     if not every:
         return abort(store, gen, step, "the count reached the world without every node's vote")
-    pk = pending_key(gen)
-    raw_p = store.peek(pk) or b""
     p = json.loads(raw_p) if raw_p else {}
     if p.get("plan") is not None:
         # claim the switch for this step before deciding, so that the controller's take_back

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from ..comm import vote as votes
 
-# steps whose keys one tick deletes at most (three round trips each to the store's thread): more
-# than one step of the fastest job between two idle ticks, so a backlog never grows
+# steps whose keys one tick deletes at most (three keys each; the current generation's in one
+# round trip): more than one step of the fastest job between two idle ticks, so a backlog never grows
 PER_TICK = 8
 
 
@@ -54,10 +54,11 @@ class VoteKeys:
             self._forget(*old)
             old[1] += 1
             done += 1
-        while cur[1] <= committed - votes.KEYS_KEPT and done < PER_TICK:
-            self._forget(*cur)
-            cur[1] += 1
-            done += 1
+        n = min(PER_TICK - done, committed - votes.KEYS_KEPT - cur[1] + 1)
+        if n > 0:                 # the current generation's dead steps: one round trip for all
+            self._forget(cur[0], cur[1], n)
+            cur[1] += n
+            done += n
         return done
 
     def _committed(self, gen: int, step: int) -> bool:
@@ -65,6 +66,6 @@ class VoteKeys:
         raw = self.store.peek(votes.dkey(gen, step))
         return raw is not None and votes.Decision.decode(raw).commit
 
-    def _forget(self, gen: int, step: int) -> None:
-        votes.forget(self.store, gen, step)
-        self.ops += 3
+    def _forget(self, gen: int, step: int, count: int = 1) -> None:
+        votes.forget(self.store, gen, step, count)
+        self.ops += 3 * count

@@ -75,25 +75,34 @@ class StoreClient(dist.Store):
         self._sealer = wire.Sealer(wire.session_key(self._key, s_nonce, c_nonce), b"c")
 
     def _call(self, op: bytes, *fields: bytes, wait_s: float = 0.0, answer: bool = True) -> list[bytes] | None:
+        got = self._exchange([(op, fields, answer)], wait_s)
+        return got[0] if answer else None
+
+    def _exchange(self, requests: list[tuple[bytes, tuple, bool]], wait_s: float = 0.0) -> list:
+        """Send `requests` (op, fields, answered) in one write and read the answers of those
+        answered, in order: the store serves a connection's requests in the order they came, so
+        a batch costs one round trip. Only the last may wait (`wait_s`): a parked request holds
+        the ones behind it."""
         with self._lock:
             if self._sock is None:
                 raise dist.DistStoreError("the job's store connection is closed")
             try:
                 self._sock.settimeout(wait_s + _SLACK_S if wait_s else self.timeout.total_seconds() + _SLACK_S)
-                self._sock.sendall(self._sealer.seal(wire.pack(op, *fields)))
-                if not answer:
-                    return None
-                body = self._next()
+                self._sock.sendall(b"".join(self._sealer.seal(wire.pack(op, *fields)) for op, fields, _ in requests))
+                bodies = [self._next() for _, _, answer in requests if answer]
             except (OSError, wire.ProtocolError) as e:
                 self._close()
                 raise dist.DistStoreError(f"the job's store at {self.host}:{self.port} failed: "
                                           f"{type(e).__name__}: {e}") from None
-        kind, got = wire.unpack(body)
-        if kind == wire.ERROR[0]:
-            raise dist.DistStoreError(f"the job's store refused: {got[0].decode(errors='replace')}")
-        if kind == wire.TIMEOUT[0]:
-            raise dist.DistStoreError(f"timed out after {wait_s:.1f} s waiting for the job's store")
-        return None if kind == wire.ABSENT[0] else got
+        out = []
+        for body in bodies:        # every answer is read before any raises: the link stays in step
+            kind, got = wire.unpack(body)
+            if kind == wire.ERROR[0]:
+                raise dist.DistStoreError(f"the job's store refused: {got[0].decode(errors='replace')}")
+            if kind == wire.TIMEOUT[0]:
+                raise dist.DistStoreError(f"timed out after {wait_s:.1f} s waiting for the job's store")
+            out.append(None if kind == wire.ABSENT[0] else got)
+        return out
 
     def _next(self) -> bytes:
         while True:
@@ -163,6 +172,44 @@ class StoreClient(dist.Store):
         """Add to KEY's value. Not answered, so it costs no round trip; what this client sends
         later reaches the store after it."""
         self._call(wire.APPEND, _b(key), _b(value), answer=False)
+
+    def pipeline(self, *calls: tuple) -> list:
+        """Several calls in one write and one round trip (one wake-up of the store's thread and
+        of this one): ("append", key, value) (None), ("add", key, amount) (the new value),
+        ("peek", key) (the value or None), ("cas", key, expected, desired) (the value that
+        stands), ("delete", key) (whether it was there), ("set", key, value) (None), and last
+        only, ("wait_get", key, timeout_s) (the value once it exists). The store applies them in
+        this order (another connection's requests may come in between); their results, in order."""
+        reqs, conv, wait_s = [], [], 0.0
+        for i, (name, key, *rest) in enumerate(calls):
+            k = _b(key)
+            if name == "append":
+                reqs.append((wire.APPEND, (k, _b(rest[0])), False))
+                conv.append(None)
+                continue
+            if name == "add":
+                reqs.append((wire.ADD, (k, str(int(rest[0])).encode()), True))
+                conv.append(lambda g: int(g[0]))
+            elif name == "peek":
+                reqs.append((wire.GET, (k, str(wire.NO_WAIT).encode()), True))
+                conv.append(lambda g: None if g is None else g[0])
+            elif name == "cas":
+                reqs.append((wire.CAS, (k, _b(rest[0]), _b(rest[1])), True))
+                conv.append(lambda g: g[0])
+            elif name == "delete":
+                reqs.append((wire.DELETE, (k,), True))
+                conv.append(lambda g: g[0] == b"1")
+            elif name == "set":
+                reqs.append((wire.SET, (k, _b(rest[0])), True))
+                conv.append(lambda g: None)
+            elif name == "wait_get" and i == len(calls) - 1:
+                wait_s = float(rest[0])
+                reqs.append((wire.GET, (k, str(int(wait_s * 1000)).encode()), True))
+                conv.append(lambda g: g[0])
+            else:
+                raise ValueError(f"pipeline: {name!r} is not a call it makes (a wait comes last)")
+        got = iter(self._exchange(reqs, wait_s))
+        return [None if f is None else f(next(got)) for f in conv]
 
     def pieces(self, key, size: int) -> list[bytes]:
         """KEY's value (none if absent) cut into pieces of `size` bytes; ValueError if it is not."""

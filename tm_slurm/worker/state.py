@@ -53,7 +53,8 @@ class Rollback:
                 self._saved = [torch.empty_like(b) for b in bufs]      # first step, or the model changed
             torch._foreach_copy_(self._saved, bufs)
         self._bufs = bufs
-        self._objs = {n: copy.deepcopy(o.state_dict()) for n, o in self.state.registered.items()}
+        if self.state.registered:
+            self._objs = {n: copy.deepcopy(o.state_dict()) for n, o in self.state.registered.items()}
 
     def restore(self) -> None:
         if self._bufs:
