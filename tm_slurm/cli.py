@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", help="a checkpoint as one torch.save file of plain state dicts",
                        description="Verify a checkpoint and write it as one torch.save file: {'step', "
-                       "'model', 'optimizer', 'scheduler', 'extra'}, every tensor whole (sharded ones "
+                       "'model', 'optimizer', 'scheduler', 'extra', 'registered'}, every tensor whole (sharded ones "
                        "assembled). 'model' has DDP's leading 'module.' (and torch.compile's '_orig_mod.') "
                        "stripped, so the plain nn.Module takes it: model.load_state_dict(d['model']); "
                        "'optimizer' is Optimizer.state_dict()'s form: opt.load_state_dict(d['optimizer']). "
