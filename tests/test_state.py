@@ -6,7 +6,7 @@ import torch
 from tm_slurm.control.auth import AuthError, Keys, Sealer
 from tm_slurm.messages import GroupBuild
 from tm_slurm.store.client import StoreClient
-from tm_slurm.worker.state import TrainState, digest, manifest, nbytes, recv_state, send_state
+from tm_slurm.worker.state import Rollback, TrainState, digest, manifest, nbytes, recv_state, send_state
 
 from .stores import Served
 
@@ -100,3 +100,29 @@ def test_digest_sees_every_bit():
     b.optimizer.param_groups[0]["lr"] *= 2
     assert digest(make(0, True)) != digest(b)
     assert nbytes(a) > 0 and manifest(a, 3).step == 3
+
+
+def test_a_discarded_step_leaves_no_trace_in_buffers_or_registered_state():
+    class Seen:
+        def __init__(self):
+            self.n = 0
+
+        def state_dict(self):
+            return {"n": self.n}
+
+        def load_state_dict(self, sd):
+            self.n = sd["n"]
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.BatchNorm2d(2))
+    seen = Seen()
+    r = Rollback(TrainState(net, registered={"seen": seen}))
+    net(torch.randn(4, 1, 5, 5))                 # a committed step: its updates stay
+    seen.n = 1
+    r.take()
+    kept = {k: v.clone() for k, v in net.state_dict().items()}
+    net(torch.randn(4, 1, 5, 5))                 # the discarded step's forward
+    seen.n = 2
+    assert not torch.equal(net[1].running_mean, kept["1.running_mean"])
+    r.restore()
+    assert all(torch.equal(v, kept[k]) for k, v in net.state_dict().items())
+    assert seen.n == 1 and net[1].num_batches_tracked.item() == 1

@@ -106,7 +106,7 @@ def _assemble(d: Path, order: list[CheckpointIndex], prefix: str) -> dict[str, t
                 region.copy_(piece)
                 held[n][where] = ix.key
                 filled[n] += piece.numel()
-            elif not _same_bits(region.contiguous(), piece):
+            elif not same_bits(region.contiguous(), piece):
                 raise ExportError(f"{d}: shards {held[n][where]} and {ix.key} hold different values for the "
                                   f"same piece of {n} (offsets {list(off)}): the checkpoint has no single "
                                   f"global form of it (tensor parallelism with plain, non-DTensor tensors?)")
@@ -116,9 +116,11 @@ def _assemble(d: Path, order: list[CheckpointIndex], prefix: str) -> dict[str, t
     return {prefix + n: t for n, t in out.items()}
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise (NaN equals NaN, -0.0 does not equal 0.0): copies of one piece are byte copies."""
-    return a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise (NaN equals NaN, -0.0 does not equal 0.0): copies of one piece are byte copies, and
+    runs that trained alike end with byte copies (rehearse.py)."""
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8)))
 
 
 # ---------------------------------------------------------------- the torch.save'd form

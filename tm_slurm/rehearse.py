@@ -27,6 +27,7 @@ from . import checkpoints as ckpt
 from . import events as evlog
 from . import jobdir
 from .demo import Job, due, seen
+from .export import ExportError, read_checkpoint, same_bits
 from .launch.job import LaunchError, parse_local
 from .topology import Topology
 
@@ -83,11 +84,6 @@ def group_of(name: str, t: torch.Tensor) -> str:
     return "parameters"
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes: bitwise equal means NaNs at the same places are equal too."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
 def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     wide = torch.complex128 if a.is_complex() else torch.float64
     return (a.to(wide) - b.to(wide)).abs().max().item() if a.numel() else 0.0
@@ -102,7 +98,7 @@ def tensor_differences(ref: dict[str, torch.Tensor], run: dict[str, torch.Tensor
             out.append(Difference(g, name, f"only in the {'interrupted' if a is None else 'undisturbed'} run"))
         elif a.dtype != b.dtype or a.shape != b.shape:
             out.append(Difference(g, name, f"{a.dtype} {tuple(a.shape)} != {b.dtype} {tuple(b.shape)}"))
-        elif not torch.equal(_bits(a), _bits(b)):
+        elif not same_bits(a, b):
             out.append(Difference(g, name, f"max |diff| {_max_abs(a, b):.3g}"))
     return out
 
@@ -124,7 +120,7 @@ def _value_differences(path: str, a, b) -> list[tuple[str, str]]:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
         return [d for i, (x, y) in enumerate(zip(a, b)) for d in _value_differences(f"{path}[{i}]", x, y)]
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+        same = same_bits(a, b)
     else:
         same = not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b
     return [] if same else [(path, f"{a!r:.40} != {b!r:.40}")]
@@ -365,7 +361,6 @@ def too_short(run: Run) -> str:
 def final_state(run: Run):
     """The run's final state: its newest whole checkpoint, which the runtime writes as the loop
     ends (one of an earlier step would compare something else)."""
-    from .export import ExportError, read_checkpoint
     root = run.job.job_dir / "checkpoints"
     found = ckpt.latest_whole(root)
     ended = _ended(_steps(run.job.job_dir))

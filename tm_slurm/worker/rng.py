@@ -8,18 +8,15 @@ generator where the script has imported numpy; and each generator the script ask
 DataLoader worker processes is `job.sampler`'s: it reseeds a worker for each batch from the
 batch's place in the epoch (tm_slurm/data.py).
 
-About 10 us a step here (a seed each), against the 0.1-0.5 ms of `torch.manual_seed` on a CPU
-job: it queues each seed for a CUDA that is not initialised, with a formatted stack trace.
+About 10 us a step here (a seed each; `data.seed_globals`, which DataLoader workers use too).
 """
 from __future__ import annotations
 
-import random
-import sys
 import zlib
 
 import torch
 
-from ..data import key
+from ..data import key, seed_globals
 
 
 class Seeds:
@@ -43,12 +40,8 @@ class Seeds:
 
     def step(self, step: int, rank: int) -> None:
         s = self._now = key(self.seed, step, rank)
-        torch.default_generator.manual_seed(s)
+        seed_globals(s)
         if self.device.type == "cuda":
             torch.cuda.manual_seed_all(s)   # direct once CUDA is initialised (the worker sets its device)
-        random.seed(s)
-        np = sys.modules.get("numpy")       # never imported here for a script that does not use it
-        if np is not None:
-            np.random.seed(s & 0xFFFFFFFF)
         for tag, g in self.named.values():
             g.manual_seed(key(s, tag))

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from ..comm.torchgroup import TorchGroup, WorldGroup, register, set_rank
+from ..data import StepSampler
 from ..errors import MisuseError
 from . import loop
 from .context import Context
@@ -121,7 +122,6 @@ class _Rank:
         sampler=job.sampler(ds, batch_size, micro_batches))`, iterated once inside each step,
         gives this step's `micro_batches` batches for this DP rank, whoever runs the step
         (tm_slurm/data.py)."""
-        from ..data import StepSampler
         return StepSampler(dataset, batch_size, self._position, micro_batches=micro_batches,
                            shuffle=shuffle, drop_last=drop_last,
                            seed=self.ctx.seed if seed is None else seed)
@@ -340,7 +340,6 @@ def _keyed_data(loader) -> None:
     """A DataLoader's order must be a function of the step (job.sampler): the position of a
     DistributedSampler or of DataLoader(shuffle=True) is the iterator's, which a repeated step or a
     joiner does not have, so their batches would differ silently."""
-    from ..data import StepSampler
     sampler = getattr(loader.batch_sampler, "sampler", None) or loader.sampler
     if isinstance(sampler, StepSampler) and loader.batch_size != sampler.batch_size:
         raise MisuseError(f"DataLoader(batch_size={loader.batch_size}) over job.sampler(..., batch_size="
