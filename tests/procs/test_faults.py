@@ -154,7 +154,7 @@ def test_shrink_failed_when_a_survivor_dies_during_the_shrink(tmp_path, referenc
 
 
 def test_an_exit_checkpoint_that_cannot_be_written_ends_requeueable(tmp_path, reference):
-    """The checkpoint directory on a real 8 MiB tmpfs, filled at step 25, then a node dies with
+    """The checkpoint directory on a real 8 MiB tmpfs, filled at step 45, then a node dies with
     no standby: the exit checkpoint fails, the job still ends requeue-able and says from which
     checkpoint the next run resumes, and that run ends bit-identical."""
     ck = tmp_path / "ck"
@@ -174,14 +174,16 @@ def test_an_exit_checkpoint_that_cannot_be_written_ends_requeueable(tmp_path, re
             os.close(fd)
         fail(job_dir, "node2", "kill")
 
-    # periodic checkpoints at 20, 40, ...: the filler takes every page, so one that is written
-    # (or in flight) after the fill fails as the exit checkpoint does, and frees less than it needs
-    sets = ["standby.count=0", f"checkpoint.dir={ck}", "checkpoint.every_steps=20"]
+    # periodic checkpoints at 40 and 80: the fill lands 5 steps after one and some 35 steps
+    # (2 s of paced steps) before the next, so no periodic write races it, on a loaded machine
+    # too (CI's harness has seen step 30 for 25 and the kill act at 40): a shard written before
+    # the fill ends is one the exit checkpoint of that step keeps or replaces in its own pages
+    sets = ["standby.count=0", f"checkpoint.dir={ck}", "checkpoint.every_steps=40"]
     try:
-        ran = run_job(tmp_path, "4+0", STEPS, [(25, fill_then_kill, "-")], sets=sets)
+        ran = run_job(tmp_path, "4+0", STEPS, [(45, fill_then_kill, "-")], sets=sets)
         assert ran.rc == 75
         (failed,) = ran.kinds("exit_checkpoint_failed")
-        assert failed["step"] >= 25 and "No space left" in failed["error"], failed
+        assert failed["step"] >= 45 and "No space left" in failed["error"], failed
         assert failed["resume_from"] and int(failed["resume_from"][-8:]) < failed["step"], failed
         (end,) = [e for e in ran.kinds("job_state") if e["state"] == "REQUEUED"]
         assert "could not be written" in end["why"] and "resumes from step" in end["why"], end
