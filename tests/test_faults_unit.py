@@ -11,9 +11,10 @@ from tm_slurm import faults
 
 def test_parse_defaults_to_kill_and_reads_every_mode():
     assert faults.parse("") == {}
-    assert faults.parse(" transfer.mid@node2 , join.ready@node5=hang,standby.warm@node6=sleep2.5") == {
-        ("transfer.mid", "node2"): "kill", ("join.ready", "node5"): "hang",
-        ("standby.warm", "node6"): "sleep2.5"}
+    assert faults.parse(" transfer.mid@node2 , join.ready@node5=hang,standby.warm@node6=sleep2.5,"
+                        "collective:12@node4=sleep600") == {
+        ("transfer.mid", "node2"): ("kill", 0), ("join.ready", "node5"): ("hang", 0),
+        ("standby.warm", "node6"): ("sleep2.5", 0), ("collective", "node4"): ("sleep600", 12)}
 
 
 @pytest.mark.parametrize("text, says", [
@@ -22,6 +23,7 @@ def test_parse_defaults_to_kill_and_reads_every_mode():
     ("join.ready@node1=explode", "unknown mode 'explode'"),
     ("join.ready@node1=sleep-1", "unknown mode"),
     ("join.ready@node1=sleepx", "unknown mode"),
+    ("collective:x@node1=sleep1", "the step after ':' is a number"),
 ])
 def test_parse_names_what_is_wrong_and_what_is_valid(text, says):
     with pytest.raises(ValueError) as e:

@@ -10,6 +10,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tm_slurm import jobdir
 from tm_slurm.agent import controller_alive, requeued_anyway
@@ -143,7 +144,7 @@ def test_one_thread_writes_the_survivors_part_whoever_hears_of_the_lost_controll
     calls, parked = [], []
     monkeypatch.setattr(lost, "controller_lost", lambda w, pending, error: calls.append((pending, error)))
     monkeypatch.setattr(lost, "_park", lambda: parked.append(threading.current_thread().name))
-    w = SimpleNamespace(inbox=SimpleNamespace(lost_controller=None))
+    w = SimpleNamespace(inbox=SimpleNamespace(lost_controller=None), device=torch.device("cpu"))
 
     watch = lost.Watch()                       # a healthy vote: nobody acts
     watch.enter(w, 5)

@@ -174,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--steps", type=int, help="default 60 (ddp: 400); 800 with --compile (the "
                    "standbys must be warm before the interruptions come)")
     m.add_argument("--compile", action="store_true", help="torch.compile the example model")
+    m.add_argument("--comm", choices=("gloo", "nccl", "nccl-like"), help="comm.backend of both runs "
+                   "(default: auto); nccl-like: gloo with NCCL's delivery of results and errors")
     m.add_argument("--example", choices=("gpt", "ddp", "fsdp", "llama"), default="gpt",
                    help="gpt: a small GPT, DP=2 x PP=2, on the low-level API (default); ddp: a stock "
                    "DDP loop on tm_slurm.init(), DP=2; fsdp: a stock FSDP2 loop, 2 shards; llama: a "

@@ -43,6 +43,8 @@ class Timeouts:
     heartbeat_timeout_s: float = 2.0       # no heartbeat for this long: the peer is suspect
     worker_heartbeat_timeout_s: float = 2.0  # agent's verdict on one of its workers
     fence_grace_s: float = 1.0             # a fenced process must be gone within this
+    hang_timeout_s: float = 10.0           # a collective of a step pending this long is reported:
+                                           # members that never joined it are hung (controller/hangs.py)
     collective_timeout_s: float = 30.0     # per-op deadline of every collective (hang backstop)
     vote_timeout_s: float = 120.0          # a rank waits this long for its step's commit decision
     phase1_timeout_s: float = 120.0        # a planned swap's preparation must finish within this
@@ -69,6 +71,8 @@ class Timeouts:
             ("heartbeat_interval_s", "worker_heartbeat_timeout_s"),
             ("heartbeat_timeout_s", "collective_timeout_s"),
             ("worker_heartbeat_timeout_s", "collective_timeout_s"),
+            ("heartbeat_timeout_s", "hang_timeout_s"),
+            ("hang_timeout_s", "collective_timeout_s"),
             ("fence_grace_s", "collective_timeout_s"),
             ("collective_timeout_s", "vote_timeout_s"),
             ("heartbeat_timeout_s", "controller_timeout_s"),
@@ -112,7 +116,7 @@ class Checkpoint:
 
 @dataclass(frozen=True)
 class Comm:
-    backend: str = "auto"                   # auto | gloo | nccl
+    backend: str = "auto"                   # auto | gloo | nccl | nccl-like (gloo with NCCL's semantics)
     gloo_threads: int = 2
     interface: str = ""                     # gloo: bind to this host/IP instead of the node's name;
                                             # under Slurm also the controller's address
@@ -212,7 +216,7 @@ class Config:
                 raise ConfigError(f"output.ranks names rank {top}, but the layout's ranks are "
                                   f"0..{lay.world - 1}")
         choices = {"standby.when_exhausted": (self.standby.when_exhausted, ("wait", "shrink", "checkpoint_exit")),
-                   "comm.backend": (self.comm.backend, ("auto", "gloo", "nccl")),
+                   "comm.backend": (self.comm.backend, ("auto", "gloo", "nccl", "nccl-like")),
                    "slurm.backend": (self.slurm.backend, ("auto", "cli", "pyslurm")),
                    "recovery.strategy": (self.recovery.strategy, ("swap", "restart"))}
         for key, (val, ok) in choices.items():

@@ -278,11 +278,13 @@ def main(args) -> int:
     say(f"tm-slurm demo: {ex.what}, {steps} steps; reference run, then a run with "
         f"{', '.join(f'{v} {n} {_when(at)}' for at, v, n in actions)}  ({root})")
     timeout = 600 + (900 if args.compile else 0)
+    comm = [f"comm.backend={args.comm}"] if args.comm else []
     ref = JobRun(root / "reference", f"{ex.active}+0", steps, [], extra_args=ex.args(), script_args=extra,
-                 sets=["standby.count=0"], script=ex.script)
+                 sets=["standby.count=0", *comm], script=ex.script)
     rc_ref = ref.run(timeout)
     say(f"  reference run finished (exit {rc_ref})")
-    run = JobRun(root / "run", local, steps, actions, extra_args=ex.args(), script_args=extra, script=ex.script)
+    run = JobRun(root / "run", local, steps, actions, extra_args=ex.args(), script_args=extra, sets=comm,
+                 script=ex.script)
     rc = run.run(timeout)
     say(f"  run with interruptions finished (exit {rc})")
     if rc_ref != 0 or rc != 0:
@@ -296,7 +298,7 @@ def main(args) -> int:
         return 1
     r_ref, r_run = ref.result(), run.result()
     same, diffs = compare(r_ref, r_run)
-    out = {"example": ex.name, "layout": {**ex.layout, "nodes": local},
+    out = {"example": ex.name, "comm": args.comm or "auto", "layout": {**ex.layout, "nodes": local},
            "events": r_run["interruptions"], "bitwise_identical": same, "steps": steps,
            "steady_step_s": r_run.get("steady_step_s"), "reference_steady_step_s": r_ref.get("steady_step_s"),
            "injected": run.done, "job_dir": str(run.job_dir), "reference_job_dir": str(ref.job_dir),

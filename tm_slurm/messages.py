@@ -254,6 +254,16 @@ class Resume:
 
 
 @dataclass(frozen=True)
+class AbortComms:
+    """Controller -> every worker, when a node holding `ranks` is declared failed: abort each
+    group with one of them now (the training thread may be blocked in one: on NCCL a dead
+    peer's collective never ends by itself)."""
+    gen: int
+    ranks: tuple[int, ...]
+    why: str
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     """Agent -> workers when the controller is gone: write what you hold and exit."""
     reason: str
@@ -385,6 +395,27 @@ class Finished(Report):
     digest: str
 
     KIND: ClassVar[str] = "finished"
+
+
+@dataclass(frozen=True)
+class CommsAborted(Report):
+    """The groups this rank aborted on AbortComms, and when."""
+    groups: list
+    why: str
+    t: float
+
+    KIND: ClassVar[str] = "comms_aborted"
+
+
+@dataclass(frozen=True)
+class Stalled(Report):
+    """A collective of this rank's step has been pending for `waited_s` (> hang_timeout_s): the
+    worker's watchdog (comm.handles.GroupTable.overdue). `members`: the group's global ranks."""
+    group: str
+    members: list
+    waited_s: float
+
+    KIND: ClassVar[str] = "stalled"
 
 
 @dataclass(frozen=True)

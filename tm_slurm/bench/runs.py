@@ -57,7 +57,9 @@ def _cold(strategy: str, ex: Example) -> list[str]:
 
 
 def _sets(strategy: str, scenario: str, hang_timeout: float, ex: Example) -> list[str]:
-    s = [f"checkpoint.every_steps={CKPT_EVERY}", f"timeouts.collective_timeout_s={hang_timeout}", *_cold(strategy, ex)]
+    # the live-hang watchdog (timeouts.hang_timeout_s) must come before the collective timeout
+    s = [f"checkpoint.every_steps={CKPT_EVERY}", f"timeouts.collective_timeout_s={hang_timeout}",
+         f"timeouts.hang_timeout_s={hang_timeout - 0.25}", *_cold(strategy, ex)]
     if strategy == "elastic-restart":
         s.append("recovery.strategy=restart")
         if scenario == "hang":   # no heartbeat watchdog: the collective timeout is the detector

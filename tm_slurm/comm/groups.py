@@ -2,11 +2,11 @@
 
 No world collective and no default process group: any member set, including a brand-new process,
 builds a group by calling `build_group` with the same prefix. Gloo on CPU; NCCL on GPUs with eager
-initialisation on a bound device, so a swap's phase 1 really pays the communicator's cost.
+initialisation on a bound device, so a swap's phase 1 really pays the communicator's cost; gloo
+with NCCL's semantics (`nccl-like`, comm/nccllike.py) to test the GPU path on a CPU.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -18,6 +18,14 @@ import torch.distributed as dist
 
 from ..messages import GroupBuild
 from .listeners import gloo_group
+from .nccllike import NcclLikeGroup
+
+
+def bind_device(device: torch.device) -> None:
+    """CUDA's current device belongs to each host thread: a thread of the runtime that touches
+    CUDA without this opens a context on cuda:0, on every process of the node."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def pick_backend(requested: str, device: torch.device) -> str:
@@ -34,22 +42,34 @@ class Group:
     prefix: str
     members: tuple[int, ...]
     rank: int                 # this process's rank inside the group
-    pg: object                # dist.ProcessGroup
-    backend: object           # the backend object (ProcessGroupGloo / ProcessGroupNCCL)
-    kind: str                 # "gloo" | "nccl"
+    pg: object                # dist.ProcessGroup (nccl-like: NcclLikeGroup)
+    backend: object           # the backend object (ProcessGroupGloo / ProcessGroupNCCL / NcclLikeGroup)
+    kind: str                 # "gloo" | "nccl" | "nccl-like"
     build_s: float = 0.0
+    aborted: bool = False
 
     @property
     def size(self) -> int:
         return len(self.members)
 
 
-def abort_together(groups: list[Group]) -> None:
-    """NCCL: abort every communicator of `groups` so nothing waits on a dead peer, all inside one
-    ncclGroupStart/End: aborts one after another can deadlock each other (torch aborts all its
-    groups the same way, pytorch#119797). Gloo has no working abort for a blocked op (a hung peer
-    is fenced by killing it instead); dropping it is enough."""
-    nccl = [g for g in groups if g.kind == "nccl"]
+_ABORT = threading.Lock()
+
+
+def abort_together(groups: list[Group], why: str = "replaced") -> None:
+    """Abort the communicators of `groups`, once each, so that nothing waits on a dead peer and
+    every work pending on them ends with an error (callable from any thread: the training thread
+    may be the one blocked). NCCL's inside one ncclGroupStart/End: aborts one after another can
+    deadlock each other (torch aborts all its groups the same way, pytorch#119797). Gloo has no
+    working abort for a blocked op (a hung peer is fenced by killing it instead): nothing to do."""
+    with _ABORT:
+        live = [g for g in groups if not g.aborted and g.kind != "gloo"]
+        for g in live:
+            g.aborted = True
+    for g in live:
+        if g.kind == "nccl-like":
+            g.backend.abort(why)
+    nccl = [g for g in live if g.kind == "nccl"]
     if not nccl:
         return
     lead = nccl[0].backend
@@ -64,16 +84,35 @@ def abort_together(groups: list[Group]) -> None:
         lead._group_end()
 
 
+# ProcessGroupNCCL's own error handling, for every worker (docs/design.md §11): the runtime
+# aborts a failed group's communicators itself, and torch must neither abort them too nor kill a
+# healthy rank. ASYNC_ERROR_HANDLING=0: the watchdog neither aborts nor tears down (torch's
+# _abort_process_group: "should be used with TORCH_NCCL_ASYNC_ERROR_HANDLING turned off (i.e.
+# set to 0)"; the default, 3, kills the process). ENABLE_MONITORING=0: the heartbeat monitor
+# kills the process when the watchdog makes no progress for 8 minutes, and an abort holds the
+# lock the watchdog waits for. DUMP_ON_TIMEOUT=0: one rank's error would otherwise make every
+# other rank of the store dump and exit (and the key stays for the groups rebuilt on it).
+# WAIT_TIMEOUT_DUMP_MILSEC: the watchdog sleeps 4x this (60 s by default) after a failed work.
+# NONBLOCKING_TIMEOUT: how long torch waits on a nonblocking communicator (its initialisation,
+# an abort from another thread), 1,800 s by default; phase 1 has phase1_timeout_s (120 s).
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_ENABLE_MONITORING": "0",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "1000",
+            "TORCH_NCCL_NONBLOCKING_TIMEOUT": "120"}
+
+
 def _nccl(store, build: GroupBuild, grank: int, timeout: float, device: torch.device):
-    # read by each new ProcessGroupNCCL: 2 = the watchdog only aborts the failed communicator. The
-    # default (3) tears the process down, so a healthy rank would die with its peer instead of
-    # failing through to the vote and being kept
-    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+    # TORCH_NCCL_*: NCCL_ENV, in every worker's environment from its launch (launch/job.py)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timedelta(seconds=timeout)
+    # nonblocking: creating this communicator on phase 1's thread cannot hold up the training
+    # thread's collectives on the same GPU (NCCL, "Using multiple NCCL communicators
+    # concurrently": they can deadlock), and an abort from another thread is one NCCL supports.
+    # The eager connect starts the initialisation now, in NCCL's background; torch makes the
+    # group's first collective wait until it is done (ProcessGroupNCCL's getNcclComm). Nothing
+    # here launches a collective: the build thread never touches the GPU's streams.
+    opts.config.blocking = 0
     be = dist.ProcessGroupNCCL(store, grank, len(build.members), opts)
-    if hasattr(be, "eager_connect_single_device"):
-        be.eager_connect_single_device(device)
+    be.eager_connect_single_device(device)
     return be
 
 
@@ -123,9 +162,8 @@ def build_group(store, build: GroupBuild, grank: int, *, device: torch.device, b
     pg._set_default_backend(btype)
     be._set_sequence_number_for_group()
     pg._register_backend(device, btype, be)
-    if backend == "nccl" and not hasattr(be, "eager_connect_single_device"):
-        # older torch: a first collective creates the communicator now, not at the first real step
-        pg.allreduce([torch.zeros(1, device=device)]).wait()
+    if backend == "nccl-like":
+        pg = be = NcclLikeGroup(pg, timeout)
     return Group(build.id, build.prefix, build.members, grank, pg, be, backend,
                  build_s=time.perf_counter() - t0)
 
@@ -133,7 +171,8 @@ def build_group(store, build: GroupBuild, grank: int, *, device: torch.device, b
 class Reaper:
     """Drops replaced groups off the critical path: tearing down a gloo group costs ~10 ms a peer."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device):
+        self._device = device
         self._items: list = []
         self._cv = threading.Condition()
         self._t = threading.Thread(target=self._run, name="tm-reaper", daemon=True)
@@ -145,6 +184,7 @@ class Reaper:
             self._cv.notify()
 
     def _run(self) -> None:
+        bind_device(self._device)
         while True:
             with self._cv:
                 while not self._items:

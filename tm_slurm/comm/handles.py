@@ -5,7 +5,9 @@ user's objects (and any compiled code around them) never change.
 Failures *fail through*: an op on a broken group returns at once (a recv leaves zeros) and the
 group is marked broken, so the step's program runs to its end with the same sequence of ops on
 every healthy group, keeping those groups consistent and reusable; the commit vote then discards
-the step on every rank.
+the step on every rank. A rank votes for its step only once every collective the step issued is
+known to have completed without error (`settle`): on NCCL a work's future completes when it is
+enqueued, and its failure shows only in the work's status (docs/design.md §11).
 """
 from __future__ import annotations
 
@@ -18,8 +20,10 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from .groups import Group
+from .. import faults
+from .groups import Group, abort_together
 
+MAX_WORKS = 1024
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -52,6 +56,22 @@ def done(outs: list) -> FailThroughWork:
     return FailThroughWork(f)
 
 
+def finish(works: list, timeout_s: float) -> None:
+    """Every work of `works` has completed without error, or raise: what a transfer needs before
+    its sender moves on or exits. `wait()` first (gloo: the host waits for the data, once; NCCL:
+    only the stream does, and the host goes on), then each work's own status, to a deadline."""
+    for w in works:
+        w.wait()
+    end = time.monotonic() + timeout_s
+    for w in works:
+        while not w.is_completed():
+            if time.monotonic() > end:
+                raise TimeoutError(f"a transfer still pending after {timeout_s:g} s")
+            time.sleep(0.0005)
+        if (e := w.exception()) is not None:
+            raise e
+
+
 class GroupTable:
     """Current group instances by id, plus which of them broke during the current step."""
 
@@ -62,6 +82,9 @@ class GroupTable:
         self.op_timeout = timedelta(seconds=op_timeout)
         self.recorder = None       # set on ranks that record stand-ins for standbys' sandboxes
         self.comm_s = 0.0          # time spent inside collectives (waiting, mostly) this step
+        self.step: int | None = None
+        self.works: list[tuple[str, dist.Work, float]] = []   # this step's, with their start
+        self._overdue: set[int] = set()    # id() of works reported overdue (`overdue`)
         self._lock = threading.Lock()
 
     def swap(self, new: dict[str, Group]) -> list[Group]:
@@ -76,6 +99,71 @@ class GroupTable:
         """Object identity of each installed group (tests check kept groups keep theirs)."""
         return {gid: id(g.pg) for gid, g in self.groups.items()}
 
+    def begin_step(self, step: int | None) -> None:
+        """A step starts (None: the training is over, nothing is watched any more)."""
+        self.step = step
+        self.broken.clear()
+        self.comm_s = 0.0
+        with self._lock:
+            self.works, self._overdue = [], set()
+
+    def settle(self, timeout: float) -> None:
+        """Before the vote: wait until every collective this step issued has completed, and break
+        the group of each one that failed, or is still pending after `timeout` (that group is
+        aborted too: a communicator with an op in flight is not reusable). On gloo they all have
+        by now (a future completes with its data); on NCCL this is where a failure is seen. A
+        work on an aborted group counts as failed whatever its status says (after an abort NCCL
+        may report it completed)."""
+        t0 = time.perf_counter()
+        end = time.monotonic() + timeout
+        with self._lock:
+            works = list(self.works)     # still the watchdog's to see while this waits
+        pause = 2e-5
+        for gid, work, _ in works:
+            g = self.groups.get(gid)
+            while gid not in self.broken:
+                if g is None or g.aborted:
+                    self._broke(gid, RuntimeError(f"group {gid} was aborted"))
+                elif work.is_completed():
+                    if (e := work.exception()) is not None:
+                        self._broke(gid, e)
+                    break
+                elif time.monotonic() > end:
+                    self._broke(gid, TimeoutError(f"a collective on {gid} still pending after {timeout:g} s"))
+                    abort_together([g], "a collective pending past the step's deadline")
+                else:
+                    time.sleep(pause)
+                    pause = min(pause * 2, 1e-3)
+        with self._lock:
+            self.works = []
+        self.comm_s += time.perf_counter() - t0
+
+    def overdue(self, after_s: float) -> list[tuple[str, tuple[int, ...], float]]:
+        """(group, members, seconds waited) of each work of this step pending for more than
+        `after_s`, once each: what the worker's watchdog reports (a peer that never joined)."""
+        now = time.monotonic()
+        if self.step is None:
+            return []
+        with self._lock:
+            works = [(gid, w, t) for gid, w, t in self.works if id(w) not in self._overdue]
+        out = []
+        for gid, w, t in works:
+            if now - t > after_s and not w.is_completed() and (g := self.groups.get(gid)) is not None:
+                with self._lock:
+                    self._overdue.add(id(w))
+                out.append((gid, g.members, now - t))
+        return out
+
+    def abort_members(self, ranks: Iterable[int], why: str) -> list[str]:
+        """A node holding `ranks` failed: abort every installed group with one of them, so that
+        no collective of this rank waits on it (the host may be blocked in one right now)."""
+        dead = set(ranks)
+        hit = [g for g in list(self.groups.values()) if dead & set(g.members)]
+        for g in hit:
+            self._broke(g.id, RuntimeError(f"group {g.id} aborted: {why}"))
+        abort_together(hit, why)
+        return [g.id for g in hit]
+
     def drop(self, ids: Iterable[str]) -> list[Group]:
         with self._lock:
             return [self.groups.pop(i) for i in list(ids) if i in self.groups]
@@ -89,17 +177,22 @@ class GroupTable:
         """`op` (a ProcessGroup method: "allreduce", "_allgather_base", "send", ...) with `args` on
         the current instance of group `gid`. The work returned never fails: a failure completes it
         with `outs` (the tensors it writes) as they are and marks the group broken for this step."""
+        faults.at("collective", step=self.step)
         if gid in self.broken:
             return done(outs)
         g = self.groups.get(gid)
-        if g is None:
-            self._broke(gid, RuntimeError(f"group {gid} is not built"))
+        if g is None or g.aborted:
+            self._broke(gid, RuntimeError(f"group {gid} is {'aborted' if g else 'not built'}"))
             return done(outs)
         try:
             work = getattr(g.pg, op)(*args)
         except Exception as e:          # gloo: RuntimeError / DistBackendError on a dead or hung peer
             self._broke(gid, e)
             return done(outs)
+        with self._lock:
+            if len(self.works) >= MAX_WORKS:     # collectives outside a step: no settle clears them
+                self.works = [x for x in self.works if not x[1].is_completed()]
+            self.works.append((gid, work, time.monotonic()))
         try:
             fut = work.get_future()
         except RuntimeError:            # gloo's send and recv have none: wait here, once (a gloo

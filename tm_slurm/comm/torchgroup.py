@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import MisuseError
 from .handles import FailThroughWork, done
+from .nccllike import outputs
 
 # the collectives torch's own code calls on a group: DDP (allreduce, broadcast, allgather), FSDP2
 # (all_gather_single, reduce_scatter_single), DTensor and the C++ functional collectives (the
@@ -33,13 +34,6 @@ OPS = ("allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather
        "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
        "reduce_scatter_tensor_coalesced", "alltoall_base", "alltoall", "scatter", "gather", "reduce",
        "barrier", "send", "recv", *SAME_AS)
-
-
-def outputs(args: tuple) -> list:
-    """The tensors a collective writes (its future's value): its first argument."""
-    if not args or not isinstance(args[0], (list, torch.Tensor)):
-        return []                              # barrier
-    return args[0] if isinstance(args[0], list) else [args[0]]
 
 
 def _pairs(args: tuple):

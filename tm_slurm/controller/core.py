@@ -28,8 +28,8 @@ from ..osutil import raise_fd_limit
 from ..store import process as storeserver
 from ..store.client import StoreClient
 from ..exits import Exit
-from ..messages import (Aborted, AgentBye, Fence, GroupBuild, Heartbeat, Launch, Output, Ping, Report,
-                        Shutdown, Signalled, SwapPlan, WorkerExited, WorkerReport, WorkerSuspect)
+from ..messages import (AbortComms, Aborted, AgentBye, Fence, GroupBuild, Heartbeat, Launch, Output, Ping, Report,
+                        Shutdown, Signalled, SwapPlan, ToWorkers, WorkerExited, WorkerReport, WorkerSuspect)
 from ..planner import initial_builds, plan_planned
 from ..roles import JobState, JobStatus, NodeTable, Role
 from ..topology import Topology
@@ -42,6 +42,7 @@ from .episodes.swap import PlannedSwap
 from .holders import Holders
 from .liveness import controller_cut_off
 from .intake import Decision, Fail, Intake, Migrate, ReleaseStandby, Stop, TakeCheckpoint
+from .hangs import Hangs
 from .pool import Pool
 from .progress import CommittedMin, Progress, keep_for
 from .records import Records
@@ -111,6 +112,7 @@ class Controller:
         self.requeue_wanted = True       # a REQUEUED end runs again, unless a signal said otherwise
         self.intake = Intake(self.log.emit)
         self.pool = Pool(self)
+        self.hangs = Hangs(self.T.heartbeat_timeout_s)
         # when the main loop next pings, writes status.json, reads requests, checks every link;
         # until when it is busy
         self._loop = {"last": time.monotonic(), "ping": 0.0, "status": 0.0, "req": 0.0,
@@ -421,6 +423,10 @@ class Controller:
         f = Failure(node, how, info, t_fail or t_detect)
         if self.ending is None and involved:
             f.aborted = self.abort_in_flight(f"{node} failed ({how})")
+            # ... and release whoever waits on it inside a collective (NCCL: until aborted)
+            ranks = tuple(r for r, n in self.holders.ranks.items() if n == node)
+            if ranks:
+                self.broadcast(ToWorkers(AbortComms(self.gen, ranks, f"{node} failed ({how})")))
         for ep in list(self.live()):
             if ep.on_node_failed(f):
                 return
@@ -561,6 +567,8 @@ class Controller:
         for ep in list(self.live()):
             ep.tick(now)
         self.pool.check_stragglers(now)
+        for node, group, waiting in self.hangs.due(now, self.gen, self.holders.ranks.get):
+            self.fail(node, "hung", group=group, waiting_ranks=waiting)
         self.vote_keys.sweep(self.committed_step())
         self.records.poll_checkpoints()
         self.releases.poll()

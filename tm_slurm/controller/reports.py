@@ -8,7 +8,7 @@ from typing import Callable
 
 from .. import heap
 from ..exits import Exit
-from ..messages import (CheckpointDone, CommError, Crashed, Exiting, Finished, Joined, Left, Recovered,
+from ..messages import (CheckpointDone, CommError, CommsAborted, Stalled, Crashed, Exiting, Finished, Joined, Left, Recovered,
                         RecoveryTimeout, Report, StandbyReady, Started, Stopped, Switched)
 from ..roles import JobState, Role
 from .episodes.restart import FullRestart
@@ -33,6 +33,19 @@ def on_standby_ready(ctl, node: str, local: int, rep: StandbyReady) -> None:
 
 def on_comm_error(ctl, node: str, local: int, rep: CommError) -> None:
     ctl.log.emit("comm_error", node=node, rank=rep.rank, step=rep.step, group=rep.group, error=rep.error)
+
+
+def on_comms_aborted(ctl, node: str, local: int, rep: CommsAborted) -> None:
+    ctl.log.emit("comms_aborted", node=node, rank=rep.rank, step=rep.step, groups=rep.groups, why=rep.why,
+                 t=rep.t)
+
+
+def on_stalled(ctl, node: str, local: int, rep: Stalled) -> None:
+    ctl.log.emit("collective_stalled", node=node, rank=rep.rank, step=rep.step, group=rep.group,
+                 waited_s=round(rep.waited_s, 3))
+    if rep.gen == ctl.gen and rep.rank is not None:
+        members = [m for m in rep.members if isinstance(m, int)][:ctl.topo.world]
+        ctl.hangs.note(rep.gen, rep.group, members, rep.rank, time.monotonic())
 
 
 def on_checkpoint(ctl, node: str, local: int, rep: CheckpointDone) -> None:
@@ -78,6 +91,8 @@ ON_REPORT: dict[type, Callable] = {
     Started: on_started,
     StandbyReady: on_standby_ready,
     CommError: on_comm_error,
+    CommsAborted: on_comms_aborted,
+    Stalled: on_stalled,
     CheckpointDone: on_checkpoint,
     Finished: on_finished,
     Crashed: on_crashed,

@@ -137,13 +137,14 @@ def run(cfg: cfgmod.Config, spec: JobSpec) -> int:
         if spec.served is not None and not reachable(cfg, spec):
             return 2
         return supervise(spec.job_dir, cfg.timeouts.launcher_grace_s)
+    from ..comm.groups import NCCL_ENV
     from ..controller.core import Controller
     # one inductor cache for the job: a joiner that compiles finds what the others compiled; one
     # OpenMP thread a worker unless the user says otherwise, as torchrun: a node's workers would
     # otherwise each start a thread per core
     env = {"PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
            "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(spec.job_dir / "inductor")),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **NCCL_ENV}
     secret = auth.new_secret()
     if spec.mode == "local":
         from .local import LocalLauncher

@@ -70,6 +70,7 @@ from torch.distributed.tensor import DTensor
 from .. import jobdir
 from ..checkpoints import (DCP_METADATA, INDEX, INDEX_SUM, index_of, parts, read_indexes, sha, shard_name,
                            shards, step_dir, unusable)
+from ..comm.groups import bind_device
 from ..control import codec
 from ..events import fsync_write
 from ..messages import CheckpointIndex, StateManifest
@@ -284,8 +285,9 @@ def _staged(state: TrainState, step: int, rank: int, topo: Topology, writer: boo
 class Writer:
     """Asynchronous shard writes, one at a time, on a thread of their own."""
 
-    def __init__(self):
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tm-ckpt")
+    def __init__(self, device: torch.device | None = None):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tm-ckpt", initializer=bind_device,
+                                        initargs=(device or torch.device("cpu"),))
 
     def submit(self, root_: Path, step: int, rank: int, topo: Topology, state: TrainState) -> Future | None:
         """Copy the shard now (replica 0 only) and write it in the background; None: not a writer."""

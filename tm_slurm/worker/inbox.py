@@ -9,17 +9,21 @@ import threading
 import time
 from typing import Callable
 
+import torch
+
+from ..comm.groups import bind_device
 from ..control.wire import Wire
 from ..exits import Exit
-from ..messages import (Beat, CancelPlan, Checkpoint, Prepare, Recover, Report, Resume, Stop,
+from ..messages import (AbortComms, Beat, CancelPlan, Checkpoint, Prepare, Recover, Report, Resume, Stop,
                         WriteCheckpoint)
 
 
 
 class Inbox:
-    def __init__(self, wire: Wire, node: str, on_prepare: Callable[[Prepare], None]):
+    def __init__(self, wire: Wire, node: str, on_prepare: Callable[[Prepare], None],
+                 on_abort: Callable[[AbortComms], None]):
         self.wire, self.node = wire, node
-        self.on_prepare = on_prepare
+        self.on_prepare, self.on_abort = on_prepare, on_abort
         self.plans: dict = {}
         self.cancelled: set[int] = set()
         self.assignments: queue.Queue = queue.Queue()   # for a standby: plans naming its node
@@ -31,9 +35,11 @@ class Inbox:
         self._progress: list = []
         self._plock = threading.Lock()
 
-    def start(self, hb_interval: float, status: Callable[[], tuple]) -> None:
-        self._status = status
-        threading.Thread(target=self._read, name="tm-inbox", daemon=True).start()
+    def start(self, hb_interval: float, status: Callable[[], tuple], device: torch.device,
+              watch: Callable[[], None]) -> None:
+        """`watch`: called after each beat (the collectives watchdog: Worker.watch)."""
+        self._status, self._watch = status, watch
+        threading.Thread(target=self._read, args=(device,), name="tm-inbox", daemon=True).start()
         threading.Thread(target=self._beat, args=(hb_interval,), name="tm-heartbeat", daemon=True).start()
 
     def send(self, report: Report) -> None:
@@ -52,7 +58,8 @@ class Inbox:
         self.assignments.put(msg)
         self.recoveries.put(msg)
 
-    def _read(self) -> None:
+    def _read(self, device: torch.device) -> None:
+        bind_device(device)      # the lost-controller checkpoint is written from here (lost.Watch)
         while True:
             try:
                 msg = self.wire.recv()
@@ -65,6 +72,8 @@ class Inbox:
                     self.on_prepare(msg)
                 else:
                     (self.assignments if joiner else self.recoveries).put(msg)
+            elif isinstance(msg, AbortComms):
+                self.on_abort(msg)
             elif isinstance(msg, CancelPlan):
                 self.cancelled.add(msg.plan_id)
                 self._both(msg)
@@ -84,6 +93,7 @@ class Inbox:
         while True:
             time.sleep(interval)
             self.beat()
+            self._watch()
 
     def beat(self) -> None:
         with self._plock:

@@ -85,9 +85,10 @@ def training(w: Worker, steps: int, start: int) -> Iterator[int]:
         w.rollback.take()
         t0 = time.perf_counter()
         (st.optimizer or st.model).zero_grad(set_to_none=True)
-        w.table.broken.clear()
-        w.table.comm_s = 0.0
+        w.table.begin_step(step)
         loss = yield step
+        # what the step's collectives did, not what their futures said (NCCL's complete at enqueue)
+        w.table.settle(w.T.collective_timeout_s)
         busy = time.perf_counter() - t0 - w.table.comm_s   # own work: stragglers show here
         d = _vote(w, step)
         if not d.commit:
@@ -152,7 +153,8 @@ def _switch(w: Worker, plan: SwapPlan, next_step: int) -> None:
     w.gen = plan.gen_to
     if w.rank in plan.ranks:
         link = next(g for g in built.values() if is_link(g))
-        info = send_state(link.pg, w.state, next_step, w.transfer_sealer(), peer=1)
+        info = send_state(link.pg, w.state, next_step, w.transfer_sealer(), peer=1,
+                          timeout_s=w.T.collective_timeout_s)
         w.report("left", next_step, plan=plan.id, **info)
         w.checkpoint_done(wait=True)     # a shard being written is still the job's
         exit_clean()
@@ -169,6 +171,7 @@ def _complete(w: Worker, step: int) -> None:
     leave the process to the script's code after the loop. The rank reports `finished` when that
     code has run (`_finished`, at the interpreter's exit): the controller ends the job, and so
     every process of it, only when every rank has."""
+    w.table.begin_step(None)      # the script's code after its loop is not watched for hangs
     w.checkpoint(step, "final")
     w.checkpoint_done(wait=True)
     dg = digest(w.state)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from .. import checkpoints, jobdir
+from ..comm.groups import bind_device
 from ..events import fsync_write
 from ..exits import Exit
 from ..messages import Checkpoint, LostState
@@ -65,7 +66,12 @@ class Watch:
             if self.voting is None or self._taken:
                 return
             self._taken, step = True, self.voting
-        threading.Thread(target=controller_lost, args=(w, step, None), name="tm-lost", daemon=True).start()
+        threading.Thread(target=_bound, args=(w, step), name="tm-lost", daemon=True).start()
+
+
+def _bound(w, step: int) -> None:
+    bind_device(w.device)
+    controller_lost(w, step, None)
 
 
 def _park() -> None:

@@ -121,7 +121,8 @@ def _join(w: Worker, msg: Prepare | Recover, build_fn: BuildFn) -> int:
         start = ckpt.load(Path(plan.checkpoint), w.rank, w.topo, w.state)
     else:
         link = next(g for g in built.values() if is_link(g))
-        start, info = recv_state(link.pg, w.state, w.transfer_sealer(), peer=0)
+        start, info = recv_state(link.pg, w.state, w.transfer_sealer(), peer=0,
+                                 timeout_s=w.T.collective_timeout_s)
         w.reaper.drop([link])
     w.install(built)
     w.gen = plan.gen_to
@@ -194,7 +195,8 @@ def recover(w: Worker, step: int, d: votes.Decision) -> int:
     info: dict = {}
     for g in built.values():
         if is_link(g):
-            info = send_state(g.pg, w.state, plan.resume_step, w.transfer_sealer(), peer=1)
+            info = send_state(g.pg, w.state, plan.resume_step, w.transfer_sealer(), peer=1,
+                              timeout_s=w.T.collective_timeout_s)
             w.reaper.drop([g])
     resume = plan.resume_step
     if plan.checkpoint:

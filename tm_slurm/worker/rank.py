@@ -19,7 +19,7 @@ import torch
 from .. import checkpoints
 from .. import config as cfgmod
 from .. import faults
-from ..comm.groups import Group, Reaper, build_group, pick_backend
+from ..comm.groups import Group, Reaper, bind_device, build_group, pick_backend
 from ..comm.handles import GroupTable
 from ..comm.nodevote import NodeVote
 from ..comm.torchgroup import WorldGroup
@@ -27,7 +27,7 @@ from ..comm.torchgroup import set_rank as set_world_rank
 from ..control.auth import Keys, Sealer
 from ..control.wire import Wire
 from ..store.client import StoreClient
-from ..messages import Assign, GroupBuild, Launch, Prepare, SwapPlan, report
+from ..messages import AbortComms, Assign, GroupBuild, Launch, Prepare, SwapPlan, report
 from ..topology import Topology
 from . import checkpoint as ckpt
 from .context import Context, make_context, torch_groups
@@ -80,8 +80,8 @@ class Worker:
         self.torch_groups = torch_groups(self.topo)      # the same objects for the whole run
         self.world: WorldGroup | None = None             # the default group, where registered
         self.total_steps: int | None = None
-        self.reaper = Reaper()
-        self.ckpt_writer = ckpt.Writer()
+        self.reaper = Reaper(self.device)
+        self.ckpt_writer = ckpt.Writer(self.device)
         self._ckpt = None                # the background checkpoint write in flight
         self._written: int | None = None  # the step of this rank's last shard written
         self.prepared: dict[int, dict[str, Group]] = {}
@@ -91,16 +91,16 @@ class Worker:
         self.ctx: Context | None = None
         self.parked: tuple[str, TrainState] | None = None   # a standby's rehearsed (role, state)
         self.job_dir = Path(os.environ.get("TM_SLURM_JOB_DIR", "."))
-        self.inbox = Inbox(wire, self.node, self._on_prepare)
+        self.inbox = Inbox(wire, self.node, self._on_prepare, self._on_abort)
         self.inbox.start(self.T.heartbeat_interval_s, lambda: (self.gen, self.rank, self.step,
-                                                                self.committed))
+                                                                self.committed), self.device, self.watch)
         # the node's workers agree on each step before one of them votes for the node; they all
         # start together and meet here (beating already: a slow node-mate is not a dead one)
         self.node_vote = NodeVote(self.store, first.spawn, self.local, self.launch.local_ranks,
                                   self.T.vote_timeout_s + self.T.collective_timeout_s)
 
     def _device(self) -> torch.device:
-        if torch.cuda.is_available() and self.cfg.comm.backend != "gloo":
+        if torch.cuda.is_available() and self.cfg.comm.backend in ("auto", "nccl"):
             dev = torch.device("cuda", self.local % torch.cuda.device_count())
             torch.cuda.set_device(dev)
             return dev
@@ -120,6 +120,23 @@ class Worker:
     def _on_comm_error(self, gid: str, e: BaseException) -> None:
         self.report("comm_error", self.step, group=gid, error=f"{type(e).__name__}: {str(e)[:300]}",
                     t=time.time())
+
+    def _on_abort(self, msg: AbortComms) -> None:
+        """The inbox's thread: a node holding `msg.ranks` failed; the training thread may be
+        blocked in a collective with it (on NCCL it stays blocked until the group is aborted)."""
+        if msg.gen != self.gen or self.rank is None:
+            return
+        hit = self.table.abort_members(msg.ranks, msg.why)
+        if hit:
+            self.report("comms_aborted", self.step, groups=hit, why=msg.why, t=time.time())
+
+    def watch(self) -> None:
+        """The heartbeat thread's, after each beat: a collective of the step pending for longer
+        than hang_timeout_s is reported (controller/hangs.py names the member that never came)."""
+        if self.rank is None:
+            return
+        for gid, members, waited in self.table.overdue(self.T.hang_timeout_s):
+            self.report("stalled", self.step, group=gid, members=list(members), waited_s=waited)
 
     def context(self, rank: int, sandbox=None) -> Context:
         """`rank`'s context, this worker's torch groups bound to its table or to a `sandbox`
@@ -178,6 +195,7 @@ class Worker:
     def _phase1(self, plan: SwapPlan) -> None:
         """Planned swap, phase 1, on a background thread while training continues: build the new
         instances of this rank's affected groups and the leaver's transfer link."""
+        bind_device(self.device)
         mine = self.plan_builds(plan, joiner=False)
         if not mine:
             return

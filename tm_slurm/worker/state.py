@@ -18,6 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import faults
+from ..comm.handles import finish
 from ..control.auth import Sealer
 from ..messages import StateManifest
 
@@ -191,50 +192,52 @@ def _device(state: TrainState) -> torch.device:
     return next((t.device for _, t in tensors(state)), torch.device("cpu"))
 
 
-def _send_bytes(pg, data: bytes, peer: int, device: torch.device) -> None:
+def _send_bytes(pg, data: bytes, peer: int, device: torch.device, timeout_s: float) -> None:
     n = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    pg.send([n], peer, 0).wait()
-    pg.send([torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)], peer, 0).wait()
+    finish([pg.send([n], peer, 0)], timeout_s)
+    finish([pg.send([torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)], peer, 0)], timeout_s)
 
 
-def _recv_bytes(pg, peer: int, device: torch.device) -> bytes:
+def _recv_bytes(pg, peer: int, device: torch.device, timeout_s: float) -> bytes:
     n = torch.zeros(1, dtype=torch.int64, device=device)
-    pg.recv([n], peer, 0).wait()
+    finish([pg.recv([n], peer, 0)], timeout_s)
     buf = torch.empty(int(n.item()), dtype=torch.uint8, device=device)
-    pg.recv([buf], peer, 0).wait()
+    finish([pg.recv([buf], peer, 0)], timeout_s)
     return buf.cpu().numpy().tobytes()
 
 
-def send_state(pg, state: TrainState, step: int, sealer: Sealer, peer: int = 1) -> dict:
+def send_state(pg, state: TrainState, step: int, sealer: Sealer, peer: int = 1,
+               timeout_s: float = 120.0) -> dict:
+    """Send `state` (the manifest, then the raw tensors) and return once every send has
+    completed (comm.handles.finish: on NCCL a work's wait() does not block the host, and a
+    leaver that exits after it would end before its state had left). `transfer_s` is that."""
     t0 = time.perf_counter()
-    _send_bytes(pg, sealer.seal(manifest(state, step)), peer, _device(state))
+    device = _device(state)
+    _send_bytes(pg, sealer.seal(manifest(state, step)), peer, device, timeout_s)
     ts = [t.detach().contiguous() for _, t in tensors(state)]
-    # with a fault armed, half the tensors go (and complete) before the fault point; a gloo
-    # work is waited once only (a second wait waits for a second completion that never comes)
+    # with a fault armed, half the tensors go (and complete) before the fault point
     half = len(ts) // 2 if faults.armed() else 0
-    for w in [pg.send([t], peer, i + 1) for i, t in enumerate(ts[:half])]:
-        w.wait()
+    finish([pg.send([t], peer, i + 1) for i, t in enumerate(ts[:half])], timeout_s)
     if half:
         faults.at("transfer.mid")
-    for w in [pg.send([t], peer, i + 1) for i, t in enumerate(ts[half:], half)]:
-        w.wait()
+    finish([pg.send([t], peer, i + 1) for i, t in enumerate(ts[half:], half)], timeout_s)
     dt = time.perf_counter() - t0
     b = sum(t.numel() * t.element_size() for t in ts)
     return {"bytes": b, "transfer_s": dt, "tensors": len(ts)}
 
 
-def recv_state(pg, state: TrainState, sealer: Sealer, peer: int = 0) -> tuple[int, dict]:
-    """Receive into `state`; returns (the sender's step, timing). A manifest that fails its check
-    raises AuthError before anything is received into `state`."""
+def recv_state(pg, state: TrainState, sealer: Sealer, peer: int = 0,
+               timeout_s: float = 120.0) -> tuple[int, dict]:
+    """Receive into `state`; returns (the sender's step, timing), once every receive has
+    completed. A manifest that fails its check raises AuthError before anything is received
+    into `state`."""
     t0 = time.perf_counter()
-    m = sealer.open(_recv_bytes(pg, peer, _device(state)))
+    m = sealer.open(_recv_bytes(pg, peer, _device(state), timeout_s))
     if not isinstance(m, StateManifest):
         raise TypeError(f"expected a StateManifest on the transfer link, got {type(m).__name__}")
     ts = apply_manifest(state, m)
     bufs = [t if t.is_contiguous() else torch.empty_like(t) for t in ts]
-    works = [pg.recv([b], peer, i + 1) for i, b in enumerate(bufs)]
-    for w in works:
-        w.wait()
+    finish([pg.recv([b], peer, i + 1) for i, b in enumerate(bufs)], timeout_s)
     with torch.no_grad():
         for t, b in zip(ts, bufs):
             if b is not t:

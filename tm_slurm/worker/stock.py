@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
+from ..comm.groups import bind_device
 from ..comm.torchgroup import TorchGroup, WorldGroup, register, set_rank
 from ..data import StepSampler
 from ..errors import MisuseError
@@ -264,8 +265,7 @@ class Job(_Rank):
     def _drive(self) -> None:
         w = self._w
         try:
-            if w.device.type == "cuda":
-                torch.cuda.set_device(w.device)        # the current device is per thread
+            bind_device(w.device)
             first = loop.start(w, self._build, self._step)    # w.total_steps is known after it
             training = loop.training(w, w.total_steps, first)
         except BaseException:
