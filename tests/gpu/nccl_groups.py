@@ -3,8 +3,8 @@ used, aborted from another thread and replaced, in one process on cuda:0.
 
 World size 1 (NCCL refuses two ranks of one communicator on one GPU), so no data crosses a link:
 what this shows is the life cycle of the runtime's NCCL groups, through its own code.
-  1. `build_group(backend="nccl")`: a nonblocking communicator, initialised eagerly on cuda:0;
-     the build returns once `_is_initialized()` says so. Timed.
+  1. `build_group(backend="nccl")`: a nonblocking communicator whose initialisation starts
+     eagerly on cuda:0; torch makes its first collective wait until it is done. Timed.
   2. installed in a `GroupTable`: begin_step / allreduce / settle; right values, nothing broken.
   3. `table.abort_members([0], ...)` from a second thread (as the worker's watchdog or control
      thread does), with the step's work issued and not yet settled. Timed. The step's settle

@@ -208,3 +208,26 @@ def test_a_full_disk_mid_run_costs_checkpoints_not_the_job(tmp_path, reference):
     assert half == [] and valid is not None, (half, valid)
     print(f"\n[full disk] {dropped['count']} events dropped; checkpoints complete at "
           f"{[e['step'] for e in ran.kinds('checkpoint_complete')]}")
+
+
+@pytest.mark.parametrize("backend", ["nccl-like", "gloo"])
+def test_fault_matrix_with_nccl_semantics(tmp_path, reference, backend):
+    """One job, three unplanned failures: a worker killed mid-step (inside a collective: the
+    steps are paced), a node SIGSTOPped, and a live process hung before a collective, its
+    heartbeats flowing (fault point `collective`). On nccl-like a survivor's collective with a
+    dead or absent peer never ends by itself: the runtime's abort releases it. The hung node is
+    named by its peers' watchdogs (hang_timeout_s) and everyone who shares a group with it has
+    aborted within a second of that; the job ends bit-identical."""
+    sets = [f"comm.backend={backend}", "timeouts.hang_timeout_s=5"]
+    ran = run_job(tmp_path, "4+3", STEPS, [(12, "exit", "node3"), (40, "hang", "node4")], sets=sets,
+                  faults="collective:70@node1=sleep600")
+    assert ran.rc == 0 and ran.result["digests"] == reference(STEPS)
+    recs = ran.interruption("unplanned")
+    assert [(r["node"], r["how"]) for r in recs] == [("node3", "worker_exit"), ("node4", "heartbeat_timeout"),
+                                                     ("node1", "hung")], recs
+    assert all(r["lost_steps"] <= 1 for r in recs), recs
+    (hung,) = [e for e in ran.kinds("failure_detected") if e["how"] == "hung"]
+    stalled = [e for e in ran.kinds("collective_stalled") if e["ts"] <= hung["ts"]]
+    assert stalled and all(e["waited_s"] >= 5 and e["node"] != "node1" for e in stalled), stalled
+    aborted = [e for e in ran.kinds("comms_aborted") if e["ts"] >= hung["ts"]]
+    assert aborted and all(e["t"] - hung["ts"] < 1.0 for e in aborted), (hung, aborted)
