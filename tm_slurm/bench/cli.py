@@ -18,6 +18,9 @@ def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="tm_slurm vs checkpoint-restart and elastic restart, measured")
     b.add_argument("--quick", action="store_true", help="one repetition, planned and unplanned only")
     b.add_argument("--json", action="store_true")
+    b.add_argument("--comm", choices=("gloo", "nccl", "nccl-like"), default="",
+                   help="the runtime's comm.backend (default: auto); nccl-like: gloo with NCCL's delivery "
+                   "of results and errors (the settle before each vote, the abort that releases survivors)")
     b.add_argument("--reps", type=int, default=3)
     b.add_argument("--scenarios", default=",".join(runs.SCENARIOS))
     b.add_argument("--strategies", help=f"default: all that can run the example ({','.join(runs.STRATEGIES)}); "
@@ -127,7 +130,7 @@ def main(args) -> int:
             # rotate the order each repetition, so slow drift of the machine hits all alike
             order = strategies[rep % len(strategies):] + strategies[:rep % len(strategies)]
             for st in order:
-                s = runs.run(root, sc, st, steps, at, hang, extra, ex=ex)
+                s = runs.run(root, sc, st, steps, at, hang, extra, ex=ex, comm=args.comm)
                 samples.append(s)
                 say(f"  [{time.monotonic() - t0:6.0f}s] rep {rep + 1}/{reps} {sc:9s} {st:20s} "
                     f"downtime {s.downtime_s:7.3f}s  steps redone {s.lost_steps}")
@@ -145,7 +148,7 @@ def main(args) -> int:
             if who == "plain":
                 plain, plain_info = runs.plain_steady(root, steps, extra, ex=ex)
             else:
-                tm, tm_info = runs.runtime_steady(root, steps, extra, ex=ex)
+                tm, tm_info = runs.runtime_steady(root, steps, extra, ex=ex, comm=args.comm)
         pairs.append((tm, plain))
         details.append({"tm_s": tm, "plain_s": plain, "tm_mean_s": tm_info.get("mean_step_s"),
                         "plain_mean_s": plain_info.get("mean_step_s"), "busy_before": before,
@@ -156,7 +159,7 @@ def main(args) -> int:
     out = report(samples, scenarios, strategies, pairs, details)
     out["steady_pairs"] = details
     out["frames"] = frame_costs()
-    out["config"] = {"example": ex.name, "layout": ex.layout, "reps": reps, "analyzed": args.analyze, "steps": steps,
+    out["config"] = {"example": ex.name, "comm": args.comm or "auto", "layout": ex.layout, "reps": reps, "analyzed": args.analyze, "steps": steps,
                      "at_step": at, "hang_timeout_s": hang, "node": ex.drain,
                      "checkpoint_every": runs.CKPT_EVERY, "model": runs.MODEL, "out": str(root),
                      "wall_s": round(time.monotonic() - t0, 1)}

@@ -83,7 +83,8 @@ def _verb(scenario: str) -> str:
 
 
 def run(root: Path, scenario: str, strategy: str, steps: int, at_step: int, hang_timeout: float,
-        script_args: list[str] = (), timeout: float = 600, ex: Example = GPT) -> Sample:
+        script_args: list[str] = (), timeout: float = 600, ex: Example = GPT, comm: str = "") -> Sample:
+    """`comm`: the runtime's comm.backend (default: auto); the other strategies have their own."""
     job = root / f"{scenario}-{strategy}-{time.strftime('%H%M%S')}"
     args = [*MODEL, *script_args]
     if strategy == "checkpoint-restart":
@@ -93,7 +94,8 @@ def run(root: Path, scenario: str, strategy: str, steps: int, at_step: int, hang
                                   CKPT_EVERY)
     else:
         r = JobRun(job, f"{ex.active}+1", steps, [(at_step, _verb(scenario), ex.drain)], script_args=args,
-                   sets=_sets(strategy, scenario, hang_timeout, ex), extra_args=ex.args(), script=ex.script)
+                   sets=[*_sets(strategy, scenario, hang_timeout, ex), *([f"comm.backend={comm}"] if comm else [])],
+                   extra_args=ex.args(), script=ex.script)
         rc = r.run(timeout)
         if rc != 0 or not r.done:
             raise RuntimeError(f"{strategy}/{scenario}: run failed (exit {rc}); see {job}")
@@ -190,7 +192,7 @@ def plain_steady(root: Path, steps: int, script_args: list[str], timeout: float 
 
 
 def runtime_steady(root: Path, steps: int, script_args: list[str], timeout: float = 600,
-                   ex: Example = GPT) -> tuple[float, dict]:
+                   ex: Example = GPT, comm: str = "") -> tuple[float, dict]:
     """The same script under tm-slurm (its active nodes, no interruption). Its info holds
     `cpu_ms_per_step`: what each kind of process of the job spent a step, in the steady middle
     of the run (`steady_cpu`)."""
@@ -198,7 +200,8 @@ def runtime_steady(root: Path, steps: int, script_args: list[str], timeout: floa
     import threading
     job = root / f"steady-{time.strftime('%H%M%S')}"
     r = JobRun(job, f"{ex.active}+0", steps, [], script_args=[*MODEL, *script_args],
-               sets=["standby.count=0", "checkpoint.every_steps=0"], extra_args=ex.args(), script=ex.script)
+               sets=["standby.count=0", "checkpoint.every_steps=0", *([f"comm.backend={comm}"] if comm else [])],
+               extra_args=ex.args(), script=ex.script)
     cpu: dict = {}
     t = threading.Thread(target=steady_cpu, args=(r, job, steps, ex, cpu), daemon=True)
     t.start()

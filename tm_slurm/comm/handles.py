@@ -56,6 +56,12 @@ def done(outs: list) -> FailThroughWork:
     return FailThroughWork(f)
 
 
+def _ended(g: Group, work) -> bool:
+    """On gloo a work's future completes with its data or its error (and some gloo works never
+    set is_completed() after it); on NCCL only the work's status says it has ended."""
+    return work.is_completed() or (g.kind == "gloo" and work.get_future().done())
+
+
 def finish(works: list, timeout_s: float) -> None:
     """Every work of `works` has completed without error, or raise: what a transfer needs before
     its sender moves on or exits. `wait()` first (gloo: the host waits for the data, once; NCCL:
@@ -124,7 +130,7 @@ class GroupTable:
             while gid not in self.broken:
                 if g is None or g.aborted:
                     self._broke(gid, RuntimeError(f"group {gid} was aborted"))
-                elif work.is_completed():
+                elif _ended(g, work):
                     if (e := work.exception()) is not None:
                         self._broke(gid, e)
                     break
@@ -148,7 +154,7 @@ class GroupTable:
             works = [(gid, w, t) for gid, w, t in self.works if id(w) not in self._overdue]
         out = []
         for gid, w, t in works:
-            if now - t > after_s and not w.is_completed() and (g := self.groups.get(gid)) is not None:
+            if now - t > after_s and (g := self.groups.get(gid)) is not None and not _ended(g, w):
                 with self._lock:
                     self._overdue.add(id(w))
                 out.append((gid, g.members, now - t))
@@ -189,17 +195,25 @@ class GroupTable:
         except Exception as e:          # gloo: RuntimeError / DistBackendError on a dead or hung peer
             self._broke(gid, e)
             return done(outs)
+        entry = (gid, work, time.monotonic())
         with self._lock:
             if len(self.works) >= MAX_WORKS:     # collectives outside a step: no settle clears them
-                self.works = [x for x in self.works if not x[1].is_completed()]
-            self.works.append((gid, work, time.monotonic()))
+                self.works = [x for x in self.works if (h := self.groups.get(x[0])) is not None
+                              and not _ended(h, x[1])]
+            self.works.append(entry)
         try:
             fut = work.get_future()
-        except RuntimeError:            # gloo's send and recv have none: wait here, once (a gloo
-            try:                        # work waited twice waits for a second completion)
+        except RuntimeError:
+            # gloo's send, recv and reduce-scatter have none: wait here, once (a gloo work waited
+            # twice waits for a second completion), watched while it waits; once waited it is
+            # settled (some of those works never say is_completed())
+            try:
                 work.wait()
             except Exception as e:
                 self._broke(gid, e)
+            with self._lock:
+                if entry in self.works:
+                    self.works.remove(entry)
             return done(outs)
 
         # the callback runs on a backend thread and must not hold the table: were it the last
