@@ -115,6 +115,15 @@ def story(ran: Ran, last: int = 60) -> str:
     return "\n".join(lines)
 
 
+def same_state(a_dir: Path, b_dir: Path) -> None:
+    """Two checkpoints hold the same state, bit for bit: the step and every tensor."""
+    from tm_slurm.export import read_checkpoint, same_bits
+    a, b = read_checkpoint(a_dir), read_checkpoint(b_dir)
+    assert a.step == b.step and a.tensors.keys() == b.tensors.keys() and a.tensors, (a_dir, b_dir)
+    differ = [n for n in a.tensors if not same_bits(a.tensors[n], b.tensors[n])]
+    assert not differ, f"{a_dir} and {b_dir} differ in {differ[:5]}"
+
+
 def rss_mb(pid: int) -> float | None:
     """A process's resident memory, None once it is gone."""
     try:

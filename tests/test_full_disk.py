@@ -61,6 +61,7 @@ def test_events_are_counted_while_the_disk_is_full_and_reported_after(small_fs):
     assert kinds[0] == "job_start" and kinds[-2:] == ["swap_done", "events_dropped"]
     assert kinds.count("step_done") == 20 - lost                # whole lines, none torn
     assert recs[-1]["count"] == lost and recs[-1]["since"] is not None and log.dropped == 0
+    assert recs[-1]["kinds"] == {"step_done": lost}              # what was lost, by kind
     log.close()
 
 

@@ -172,7 +172,10 @@ def test_reduction_vs_best_uses_the_best_other_strategy():
 
 def test_paper_mode_lands_near_the_papers_result():
     chk = sim.paper_check(sim.paper_params())
-    assert chk["inputs_are_the_papers"]
+    # one input is ours, rebuilt from the paper's Table 1 (the sources do not print it), and the
+    # check says so rather than pass as the paper's
+    assert not chk["inputs_are_the_papers"]
+    assert chk["reconstructed_inputs"] == ["tm_slurm-no-standby:hang", "tm_slurm-no-standby:unplanned"]
     assert chk["within_tolerance"]
     assert abs(chk["ours"]["reduction_vs_best"] - 0.55) <= 0.05
     assert abs(chk["ours"]["saved_gpu_hours_per_week"] / 1.4e6 - 1) <= 0.15
@@ -247,9 +250,25 @@ def test_from_bench_reads_what_bench_writes(tmp_path, capsys):
     assert any("include the steps redone" in n for n in d["notes"])
 
 
-def test_paper_headline_is_pinned():
-    """The paper mode's headline, by hand: it must not drift unnoticed."""
-    assert sim.paper_check(sim.paper_params())["ours"]["reduction_vs_best"] == pytest.approx(0.5575, abs=0.001)
+def test_paper_headline_computed_by_hand():
+    """The paper mode at 64K GPUs from the paper's numbers with pencil-and-paper arithmetic, not
+    the model's code: MTTF 3 h at 8,192 GPUs scales to 0.375 h; 168 h / 0.375 h = 448 unplanned
+    events a week and 448 / 8.9 = 50.3 planned; every unplanned event pays 120 s of rescheduling;
+    TrainMover 21.1 s unplanned, 16.6 s planned, plus one idle 8-GPU standby node all week; the
+    no-standby version 201.6 s unplanned (our reconstruction), 16.6 s planned."""
+    gpus, unplanned, planned = 65536, 168 / (3.0 * 8192 / 65536), 168 / (3.0 * 8192 / 65536) / 8.9
+    tm = gpus * (unplanned * (21.1 + 120) + planned * 16.6) / 3600 + 8 * 168
+    no_standby = gpus * (unplanned * (201.6 + 120) + planned * 16.6) / 3600
+    assert (unplanned, round(tm), round(no_standby)) == (448.0, 1167309, 2638050)
+    chk = sim.paper_check(sim.paper_params())
+    assert chk["ours"]["reduction_vs_best"] == pytest.approx(1 - tm / no_standby, rel=1e-9)
+    assert chk["ours"]["saved_gpu_hours_per_week"] == pytest.approx(no_standby - tm, rel=1e-9)
+
+
+def test_the_headline_moves_with_the_reconstructed_input():
+    by_s = {round(x["no_standby_unplanned_s"], 1): x["reduction_vs_best"]
+            for x in sim.paper_check(sim.paper_params())["sensitivity"]}
+    assert {s: round(r, 3) for s, r in by_s.items()} == {130.0: 0.432, 196.0: 0.55, 201.6: 0.558, 267.0: 0.632}
 
 
 def test_from_bench_file_and_hang(tmp_path, capsys):

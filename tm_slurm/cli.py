@@ -151,8 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("fail", help="local mode: make NODE fail for real")
     f.add_argument("node")
-    f.add_argument("--mode", choices=("kill", "hang", "exit"), default="kill",
-                   help="kill: SIGKILL the node's processes; hang: SIGSTOP them; exit: its workers die")
+    f.add_argument("--mode", choices=("kill", "hang", "exit", "hang-worker"), default="kill",
+                   help="kill: SIGKILL the node's processes; hang: SIGSTOP them; exit: its workers die; "
+                   "hang-worker: its workers freeze (SIGSTOP), its agent lives")
     f.add_argument("--job")
     f.set_defaults(fn=cmd_fail)
 

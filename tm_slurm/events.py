@@ -51,12 +51,13 @@ class EventLog:
         self._lock = threading.Lock()
         self._lines = Lines(self.path)
         self._dropped_since: float | None = None
+        self._dropped_kinds: dict[str, int] = {}    # bounded: one entry per kind of event
         self.emitted = 0            # records asked for: readers see whether something happened
 
     def emit(self, kind: str, *, node: str | None = None, rank: int | None = None,
              step: int | None = None, gen: int | None = None, **details: Any) -> dict:
         """Append one record. Never raises for the disk: the first record written after some
-        were lost says how many, and since when (`events_dropped`)."""
+        were lost says how many, of which kinds, and since when (`events_dropped`)."""
         rec = {"ts": round(self._clock(), 6), "job": self.job, "gen": self.gen if gen is None else gen,
                "node": node, "rank": rank, "step": step, "kind": kind}
         rec.update(details)
@@ -65,10 +66,12 @@ class EventLog:
             lost = self._lines.dropped
             if not self._lines.write(rec):
                 self._dropped_since = self._dropped_since or rec["ts"]
+                self._dropped_kinds[kind] = self._dropped_kinds.get(kind, 0) + 1
             elif lost and self._lines.write(
                     {"ts": rec["ts"], "job": self.job, "gen": rec["gen"], "node": None, "rank": None,
-                     "step": None, "kind": "events_dropped", "count": lost, "since": self._dropped_since}):
-                self._lines.dropped, self._dropped_since = 0, None
+                     "step": None, "kind": "events_dropped", "count": lost, "since": self._dropped_since,
+                     "kinds": self._dropped_kinds}):
+                self._lines.dropped, self._dropped_since, self._dropped_kinds = 0, None, {}
         return rec
 
     @property

@@ -21,6 +21,7 @@ ENV = "TM_SLURM_FAULTS"
 POINTS = {
     "transfer.mid": "a state sender (planned leaver, recovery donor) with half its tensors sent",
     "phase1.build": "a stayer that has built its groups for a planned swap, before it reports ready",
+    "join.built": "a planned joiner that has built its groups, before it reports ready",
     "join.ready": "a planned joiner, ready, waiting for the switch",
     "join.joined": "a joiner that has switched in and holds its state, before its first step",
     "recover.build": "a stayer that has built its part of a recovery plan, before it reports it",

@@ -62,6 +62,11 @@ def render_text(res: dict, rows: list[dict], params: Params, check: dict | None)
                  f"(paper: {pp['best_alternative']}); "
                  + ("within tolerance" if check["within_tolerance"] else "OUTSIDE tolerance"))
         L.append(f"  {check['explanation']}")
+        if check["reconstructed_inputs"]:
+            L.append(f"  reconstructed, not the paper's: {', '.join(check['reconstructed_inputs'])}; "
+                     "the headline against the no-standby unplanned downtime: "
+                     + ", ".join(f"{x['no_standby_unplanned_s']:g} s -> {x['reduction_vs_best']:.1%}"
+                                 for x in check["sensitivity"]))
     names = list(res["strategies"])
     L.append("\nsweep: wasted GPU-hours/week (ETTR)")
     L.append(f"{'GPUs':>7}{'MTTF':>8}  " + "".join(f"{k:>24}" for k in names) + f"{'reduction':>11}")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tm_slurm import events as evlog
 from tm_slurm import jobdir
 from tm_slurm.control import mpi as mpictl
 
@@ -120,11 +121,15 @@ def test_a_stranger_can_neither_read_nor_steer_nor_run_code_in_a_job(stranger, r
     def attack():
         port_file = jobdir.port_file(job)
         end = time.monotonic() + 120
-        while not (port_file.exists() and jobdir.events_file(job).exists()) and time.monotonic() < end:
+        started = None
+        while started is None and time.monotonic() < end:
+            # job_start follows the nodes' first events: the file exists before it does (CI saw
+            # this thread end on a file without it, and the test fail on the missing attack)
+            if port_file.exists() and jobdir.events_file(job).exists():
+                started = next((e for e in evlog.read(jobdir.events_file(job)) if e["kind"] == "job_start"), None)
             time.sleep(0.05)
         port = port_file.read_text()            # leaked, as far as this test is concerned
-        host, store_port = next(e["store"] for e in map(json.loads, jobdir.events_file(job).open())
-                                if e["kind"] == "job_start")
+        host, store_port = started["store"]
         seen["mpi"] = _as_stranger(stranger, mpictl.mpiexec_argv(
             [sys.executable, str(HERE / "stranger.py"), "mpi", port, str(marker)]))
         seen["read"] = _stranger(stranger, "read", str(job))

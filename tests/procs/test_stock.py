@@ -8,7 +8,7 @@ import pytest
 
 from tm_slurm.demo import EXAMPLES
 
-from ..jobs import run_job
+from ..jobs import run_job, same_state
 
 pytestmark = pytest.mark.procs
 STEPS = 120
@@ -87,6 +87,12 @@ def test_no_standby_shrink_of_a_sharded_job_is_a_fresh_smaller_job(tmp_path, nam
         assert rec["resume_step"] % 10 == 0 and 1 <= rec["lost_steps"] <= most, (rec, rejected)
     else:
         assert rec["resume_step"] == planned["step"] and rec["lost_steps"] <= 1, (rec, planned)
+    # the checkpoint the smaller job starts from is the state an undisturbed job has at that step
+    undisturbed = run_job(tmp_path / "undisturbed", f"{ex.active}+0", rec["resume_step"], layout=tuple(ex.args()),
+                          script=ex.script, sets=["standby.count=0"], paced=False)
+    assert undisturbed.rc == 0, undisturbed.job_dir
+    same_state(ran.job_dir / "checkpoints" / f"step{rec['resume_step']:08d}",
+               undisturbed.job_dir / "checkpoints" / f"step{rec['resume_step']:08d}")
     small = ["--dp", str(dp_to), "--dp-shard", str(dp_shard_to), "--pp", "1",
              "--ranks-per-node", str(ex.layout.get("ranks_per_node", 1)),
              "--resume", str(ran.job_dir / "checkpoints" / f"step{rec['resume_step']:08d}")]

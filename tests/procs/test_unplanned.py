@@ -6,6 +6,7 @@ checkpoint, which with keyed data and RNG is the same thing), and that nothing i
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -20,7 +21,7 @@ from tm_slurm.launch.local import fail, inject
 from tm_slurm.topology import Topology
 from tm_slurm import checkpoints as ckpt
 
-from ..jobs import ROBUST, UNPACED, no_leftovers, run_job
+from ..jobs import ROBUST, UNPACED, no_leftovers, run_job, same_state
 
 pytestmark = pytest.mark.procs
 STEPS = 100
@@ -140,6 +141,11 @@ def test_no_standby_shrink_drops_the_replica_and_trains_on_at_half_size(tmp_path
     assert any(e["node"] == "node3" for e in ran.kinds("node_ready")), "node3 warmed up as a standby"
 
     d = ckpt.step_dir(ran.job_dir / "checkpoints", planned["step"])
+    # the shrink checkpoint is the state an undisturbed job has at that step (what the smaller
+    # job below starts from: a wrong one would make both agree and still be wrong)
+    undisturbed = run_job(tmp_path / "undisturbed", "4+0", planned["step"], sets=["standby.count=0"], paced=False)
+    assert undisturbed.rc == 0
+    same_state(d, ckpt.step_dir(undisturbed.job_dir / "checkpoints", planned["step"]))
     script, cfg = example_paths()
     cmd = [sys.executable, "-m", "tm_slurm", "run", "--local", "2+0", "--config", str(cfg), "--dp", "1",
            "--pp", "2", "--job-dir", str(tmp_path / "ref"), "--resume", str(d), "--set", "standby.count=0"]
@@ -205,7 +211,14 @@ def test_a_full_disk_mid_run_costs_checkpoints_not_the_job(tmp_path, reference):
     assert ran.result["interruptions"] == [] and not ran.kinds("failure_detected")
     (dropped,) = ran.kinds("events_dropped")
     assert dropped["count"] > 0
+    # checkpoints were attempted while the disk was full, and failed (their events were among
+    # the lost: the event log is on the same disk), so "no partial shard" is a claim about them
+    failed = dropped["kinds"].get("checkpoint_failed", 0) + len(ran.kinds("checkpoint_failed"))
+    assert failed > 0, dropped
     assert half == [] and valid is not None, (half, valid)
+    # a failed step is never counted complete: the valid checkpoint stays the one before it
+    assert not ({e["step"] for e in ran.kinds("checkpoint_failed")}
+                & {e["step"] for e in ran.kinds("checkpoint_complete")})
     print(f"\n[full disk] {dropped['count']} events dropped; checkpoints complete at "
           f"{[e['step'] for e in ran.kinds('checkpoint_complete')]}")
 
@@ -231,3 +244,76 @@ def test_fault_matrix_with_nccl_semantics(tmp_path, reference, backend):
     assert stalled and all(e["waited_s"] >= 5 and e["node"] != "node1" for e in stalled), stalled
     aborted = [e for e in ran.kinds("comms_aborted") if e["ts"] >= hung["ts"]]
     assert aborted and all(e["t"] - hung["ts"] < 1.0 for e in aborted), (hung, aborted)
+
+
+def test_a_frozen_worker_is_caught_by_the_worker_heartbeat(tmp_path, reference):
+    """The node's workers SIGSTOPped, its agent alive and beating: the agent's worker heartbeat
+    timeout names them (`worker_silent`), the node is fenced and its ranks recovered."""
+    ran = run_job(tmp_path, "4+1", STEPS, [(12, "hang-worker", "node3")])
+    assert ran.rc == 0 and ran.result["digests"] == reference(STEPS)
+    rec = _one_recovery(ran, "node3", "worker_silent")
+    assert rec["detect_s"] < 4 + 2, rec         # worker_heartbeat_timeout_s (ROBUST: 4 s) and a beat
+
+
+def _started(job, steps: int, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            if (json.loads(jobdir.status_file(job).read_text()).get("committed_step") or 0) >= steps:
+                return
+        except (OSError, ValueError):
+            pass
+        assert time.monotonic() < end, f"{job} did not reach step {steps}"
+        time.sleep(0.1)
+
+
+def test_signals_to_a_local_run_sigterm_then_a_double_ctrl_c(tmp_path):
+    """SIGTERM to the controller's process group (a controller that runs in a step gets the
+    time limit's SIGTERM itself): a checkpoint at the next boundary and the resumable end, 75.
+    Then the terminal's Ctrl-C twice: the second stops at once, 75, nothing left behind."""
+    script, cfg = example_paths()
+
+    def start(job):
+        cmd = [sys.executable, "-m", "tm_slurm", "run", "--local", "4+0", "--config", str(cfg),
+               "--job-dir", str(job), "--set", "standby.count=0", *sum((["--set", s] for s in ROBUST), []),
+               "--", sys.executable, str(script), "--steps", "100000", *UNPACED, "--sleep", "0.06"]
+        return subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def events(job):
+        return [json.loads(x) for x in jobdir.events_file(job).read_text().splitlines() if x.strip()]
+
+    term = tmp_path / "term"
+    p = start(term)
+    try:
+        _started(term, 5)
+        os.killpg(p.pid, signal.SIGTERM)
+        assert p.wait(timeout=60) == 75
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    no_leftovers(term)
+    ev = events(term)
+    assert [e["action"] for e in ev if e["kind"] == "signal"] == ["checkpoint_exit"]
+    saved = [e for e in ev if e["kind"] == "checkpoint_saved" and e.get("reason") == "time limit (SIGTERM)"]
+    assert saved, [e for e in ev if e["kind"].startswith("checkpoint")]
+    assert [e["state"] for e in ev if e["kind"] == "job_end"] == ["REQUEUED"]
+
+    twice = tmp_path / "twice"
+    p = start(twice)
+    try:
+        _started(twice, 5)
+        t0 = time.monotonic()
+        os.killpg(p.pid, signal.SIGINT)
+        time.sleep(0.05)
+        os.killpg(p.pid, signal.SIGINT)
+        rc = p.wait(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    no_leftovers(twice)
+    assert rc == 75
+    ev = events(twice)
+    assert [e["action"] for e in ev if e["kind"] == "signal"] == ["checkpoint_exit", "stop_now"]
+    print(f"\n[signals] a double Ctrl-C ended the run in {took:.2f} s")
+    assert took < 15, took

@@ -56,10 +56,27 @@ def done(outs: list) -> FailThroughWork:
     return FailThroughWork(f)
 
 
-def _ended(g: Group, work) -> bool:
-    """On gloo a work's future completes with its data or its error (and some gloo works never
-    set is_completed() after it); on NCCL only the work's status says it has ended."""
-    return work.is_completed() or (g.kind == "gloo" and work.get_future().done())
+def _outcome(g: Group, work) -> tuple[bool, BaseException | None]:
+    """(ended, its error). On gloo a work's future completes with its data or its error, and
+    nothing else is asked: its is_completed() waits for the work's lock, which a thread blocked
+    in the work's wait() holds (the watchdog would block behind a send or recv), and some gloo
+    works never set it; a send or recv (no future) is pending until its wait returns. On NCCL
+    (and nccl-like) the future completes at enqueue: only the work's status says."""
+    if g.kind == "gloo":
+        try:
+            fut = work.get_future()
+        except RuntimeError:
+            return False, None
+        if not fut.done():
+            return False, None
+        try:
+            fut.value()
+        except Exception as e:
+            return True, e
+        return True, None
+    if not work.is_completed():
+        return False, None
+    return True, work.exception()
 
 
 def finish(works: list, timeout_s: float) -> None:
@@ -89,6 +106,7 @@ class GroupTable:
         self.recorder = None       # set on ranks that record stand-ins for standbys' sandboxes
         self.comm_s = 0.0          # time spent inside collectives (waiting, mostly) this step
         self.step: int | None = None
+        self.watched = False
         self.works: list[tuple[str, dist.Work, float]] = []   # this step's, with their start
         self._overdue: set[int] = set()    # id() of works reported overdue (`overdue`)
         self._lock = threading.Lock()
@@ -105,9 +123,11 @@ class GroupTable:
         """Object identity of each installed group (tests check kept groups keep theirs)."""
         return {gid: id(g.pg) for gid, g in self.groups.items()}
 
-    def begin_step(self, step: int | None) -> None:
-        """A step starts (None: the training is over, nothing is watched any more)."""
-        self.step = step
+    def begin_step(self, step: int | None, watched: bool = True) -> None:
+        """A step starts (None: the training is over). `watched`: its collectives are reported
+        when overdue (worker/loop.py leaves out the steps ranks may enter far apart: the first
+        after a start, a recovery or a switch; the collective timeout bounds those)."""
+        self.step, self.watched = step, watched
         self.broken.clear()
         self.comm_s = 0.0
         with self._lock:
@@ -130,9 +150,9 @@ class GroupTable:
             while gid not in self.broken:
                 if g is None or g.aborted:
                     self._broke(gid, RuntimeError(f"group {gid} was aborted"))
-                elif _ended(g, work):
-                    if (e := work.exception()) is not None:
-                        self._broke(gid, e)
+                elif (o := _outcome(g, work))[0]:
+                    if o[1] is not None:
+                        self._broke(gid, o[1])
                     break
                 elif time.monotonic() > end:
                     self._broke(gid, TimeoutError(f"a collective on {gid} still pending after {timeout:g} s"))
@@ -148,13 +168,13 @@ class GroupTable:
         """(group, members, seconds waited) of each work of this step pending for more than
         `after_s`, once each: what the worker's watchdog reports (a peer that never joined)."""
         now = time.monotonic()
-        if self.step is None:
+        if self.step is None or not self.watched:
             return []
         with self._lock:
             works = [(gid, w, t) for gid, w, t in self.works if id(w) not in self._overdue]
         out = []
         for gid, w, t in works:
-            if now - t > after_s and (g := self.groups.get(gid)) is not None and not _ended(g, w):
+            if now - t > after_s and (g := self.groups.get(gid)) is not None and not _outcome(g, w)[0]:
                 with self._lock:
                     self._overdue.add(id(w))
                 out.append((gid, g.members, now - t))
@@ -199,7 +219,7 @@ class GroupTable:
         with self._lock:
             if len(self.works) >= MAX_WORKS:     # collectives outside a step: no settle clears them
                 self.works = [x for x in self.works if (h := self.groups.get(x[0])) is not None
-                              and not _ended(h, x[1])]
+                              and not _outcome(h, x[1])[0]]
             self.works.append(entry)
         try:
             fut = work.get_future()

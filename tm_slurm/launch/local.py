@@ -107,7 +107,7 @@ def wait_until(p: subprocess.Popen, end: float) -> None:
 
 
 def fail(job_dir: Path, node: str, mode: str) -> float:
-    """`tm-slurm fail NODE --mode kill|hang|exit`: record when, then do it. The record lets the
+    """`tm-slurm fail NODE --mode kill|hang|exit|hang-worker`: record when, then do it. The record lets the
     controller report how long detection took. Returns the failure's wall time."""
     t = time.time()
     fsync_write(jobdir.control_dir(job_dir) / f"injected-{node}.json",
@@ -131,12 +131,13 @@ def inject(job_dir: Path, node: str, mode: str) -> float:
             os.killpg(pgid, signal.SIGKILL)
         elif mode == "hang":
             os.killpg(pgid, signal.SIGSTOP)
-        elif mode == "exit":
-            # the workers die, the agent lives (the "worker process exited" path)
+        elif mode in ("exit", "hang-worker"):
+            # the workers die (the "worker process exited" path) or freeze (their heartbeats to
+            # the agent stop: the worker heartbeat timeout); the agent lives
             for pid in _workers_of(job_dir, node):
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL if mode == "exit" else signal.SIGSTOP)
         else:
-            raise SystemExit(f"unknown mode {mode!r}: kill | hang | exit")
+            raise SystemExit(f"unknown mode {mode!r}: kill | hang | exit | hang-worker")
     except ProcessLookupError:
         raise SystemExit(f"{node} has no running processes (already failed, or the job ended)") from None
     return t

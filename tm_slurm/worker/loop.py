@@ -79,13 +79,16 @@ def training(w: Worker, steps: int, start: int) -> Iterator[int]:
     step = start
     t_prev = time.perf_counter()
     first = True
+    # the hang watchdog skips a step that a rank may enter much later than its peers: the first
+    # after a (re)start, a recovery or a switch (a joiner's first step may compile)
+    watched = False
     while step < steps and w.inbox.stop_reason is None:
         w.step = step
         w.seeds.step(step, w.rank)
         w.rollback.take()
         t0 = time.perf_counter()
         (st.optimizer or st.model).zero_grad(set_to_none=True)
-        w.table.begin_step(step)
+        w.table.begin_step(step, watched=watched)
         loss = yield step
         # what the step's collectives did, not what their futures said (NCCL's complete at enqueue)
         w.table.settle(w.T.collective_timeout_s)
@@ -96,7 +99,7 @@ def training(w: Worker, steps: int, start: int) -> Iterator[int]:
             w.rollback.restore()
             step = promote.recover(w, step, d)
             t_prev = time.perf_counter()
-            first = True
+            first, watched = True, False
             continue
         w.apply(step)
         if w.table.recorder is not None:
@@ -110,6 +113,7 @@ def training(w: Worker, steps: int, start: int) -> Iterator[int]:
         t_prev, first = now, False
         step += 1
         _boundary(w, step, d)
+        watched = d.switch is None
     if w.inbox.stop_reason is not None:
         w.report("stopped", step, reason=w.inbox.stop_reason)
         exit_clean()

@@ -107,6 +107,7 @@ def _join(w: Worker, msg: Prepare | Recover, build_fn: BuildFn) -> int:
     t_groups = time.perf_counter() - t0 - t_model
     groups = sorted(g.id for g in built.values())
     if isinstance(msg, Prepare):
+        faults.at("join.built", w.node)
         w.report("ready", None, plan=plan.id, build_s=t_groups, build_model_s=t_model, groups=groups)
         faults.at("join.ready", w.node)
         _wait_switch(w, plan.id)
