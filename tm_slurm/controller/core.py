@@ -424,7 +424,9 @@ class Controller:
         if self.ending is None and involved:
             f.aborted = self.abort_in_flight(f"{node} failed ({how})")
             # ... and release whoever waits on it inside a collective (NCCL: until aborted)
-            ranks = tuple(r for r, n in self.holders.ranks.items() if n == node)
+            # (a failed node keeps its slot in `holders` until a plan gives it away)
+            slot = self.holders.slot_of(node)
+            ranks = tuple(self.topo.slot_ranks(slot)) if slot is not None else ()
             if ranks:
                 self.broadcast(ToWorkers(AbortComms(self.gen, ranks, f"{node} failed ({how})")))
         for ep in list(self.live()):

@@ -44,9 +44,15 @@ class Hangs:
         self.stalls: dict[str, _Stall] = {}
         self.stalled: set[int] = set()
 
+    def _at(self, gen: int) -> bool:
+        """Forget another generation's stalls (its groups are gone); whether `gen` was current."""
+        if gen == self.gen:
+            return True
+        self.gen, self.stalls, self.stalled = gen, {}, set()
+        return False
+
     def note(self, gen: int, group: str, members: list[int], rank: int, now: float) -> None:
-        if gen != self.gen:
-            self.gen, self.stalls, self.stalled = gen, {}, set()
+        self._at(gen)
         s = self.stalls.setdefault(group, _Stall(now, frozenset(members)))
         s.waiting.add(rank)
         self.stalled.add(rank)
@@ -54,8 +60,7 @@ class Hangs:
     def due(self, now: float, gen: int, node_of: Callable[[int], str | None]) -> list[tuple[str, str, int]]:
         """(node, group, ranks waiting) for each stall whose grace has passed and that names a
         node; every stall past its grace is settled (forgotten) either way."""
-        if gen != self.gen:
-            self.gen, self.stalls, self.stalled = gen, {}, set()
+        if not self._at(gen):
             return []
         out = []
         for group, s in list(self.stalls.items()):

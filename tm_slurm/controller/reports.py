@@ -45,7 +45,7 @@ def on_stalled(ctl, node: str, local: int, rep: Stalled) -> None:
                  waited_s=round(rep.waited_s, 3))
     if rep.gen == ctl.gen and rep.rank is not None:
         members = [m for m in rep.members if isinstance(m, int)][:ctl.topo.world]
-        ctl.hangs.note(rep.gen, rep.group, members, rep.rank, time.monotonic())
+        ctl.hangs.note(rep.gen, rep.group, members, rep.rank, ctl.now())
 
 
 def on_checkpoint(ctl, node: str, local: int, rep: CheckpointDone) -> None:
